@@ -1,0 +1,157 @@
+"""The 12-bit block rule: constants and the per-block encode/decode in jnp.
+
+This module *is* the specification of one block (see docs/FORMAT.md). A block
+is 512 BF16 values in *position order* (the page layout in `layout.py` decides
+which token and dimension sits at which position). Every function here works
+on uint16 bit patterns, never on floating-point values, so NaN payloads, -0.0,
+Inf and subnormals pass through unchanged.
+
+Encoded row (always 1024 bytes here; only the first `units * 256` are stored):
+  compressed (3 units): [low bytes 512][code bytes 256][unused 256]
+  raw        (4 units): [low bytes 512][high bytes 512]
+
+Code byte q pairs positions x = 8*(q//4) + q%4 and y = x + 4:
+  bit 7 = sign(x), bits 6..4 = d(y), bit 3 = sign(y), bits 2..0 = d(x)
+where d = (exponent >> 1) - half_base. Restoring the high byte is then
+  high(x) = (c & 0x87) + half_base
+  high(y) = (((c >> 4) & 0x07) | ((c << 4) & 0x80)) + half_base
+on four bytes at a time in a 32-bit word; the add never carries out of a byte.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+VALUES_PER_BLOCK = 512
+BLOCKS_PER_GROUP = 4
+UNIT_BYTES = 256
+LOW_PLANE_BYTES = 512
+CODE_PLANE_BYTES = 256
+COMPRESSED_UNITS = 3  # 768 bytes
+RAW_UNITS = 4  # 1024 bytes
+ROW_BYTES = RAW_UNITS * UNIT_BYTES
+GROUP_META_BYTES = 8
+
+# Per-block metadata byte.
+MAX_HALF_BASE = 127  # 0..127: compressed, the byte is b/2
+META_RAW = 0xFF
+META_ABSENT = 0xFE  # slot past the last block of a partial group
+
+# Group offset word: bits 31..30 version, bits 29..0 offset in 256-byte units.
+FORMAT_VERSION = 1
+VERSION_SHIFT = 30
+OFFSET_MASK = (1 << VERSION_SHIFT) - 1
+
+EXPONENT_WINDOW = 16  # exponents b .. b+15 fit in 3 bits of d plus the kept bit
+
+
+def exponents(bits: jnp.ndarray) -> jnp.ndarray:
+  """uint16 [..., n] -> int32 [..., n]: the 8-bit biased exponent field."""
+  return (bits.astype(jnp.int32) >> 7) & 0xFF
+
+
+def block_half_base(bits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """Decide the block rule for each block.
+
+  Args:
+    bits: uint16 [..., 512], BF16 bit patterns of whole blocks.
+
+  Returns:
+    (eligible, half_base): bool [...] and int32 [...]. `half_base` is b/2 with
+    b = min exponent rounded down to even; `eligible` iff every exponent lies
+    in [b, b + 15].
+  """
+  e = exponents(bits)
+  base = jnp.min(e, axis=-1) & ~1
+  eligible = jnp.max(e, axis=-1) - base < EXPONENT_WINDOW
+  return eligible, base >> 1
+
+
+def block_meta_byte(eligible: jnp.ndarray, half_base: jnp.ndarray) -> jnp.ndarray:
+  """bool [...], int32 [...] -> int32 [...]: b/2, or META_RAW."""
+  return jnp.where(eligible, half_base, META_RAW)
+
+
+def block_units(meta_byte: jnp.ndarray) -> jnp.ndarray:
+  """Stored size in 256-byte units of each block slot (0 for absent slots)."""
+  return jnp.where(
+      meta_byte <= MAX_HALF_BASE,
+      COMPRESSED_UNITS,
+      jnp.where(meta_byte == META_RAW, RAW_UNITS, 0),
+  ).astype(jnp.int32)
+
+
+def _pairs(plane: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """[..., 512] -> x, y of shape [..., 256]: positions (8k + j, 8k + 4 + j)."""
+  p = plane.reshape(*plane.shape[:-1], 64, 2, 4)
+  flat = lambda a: a.reshape(*plane.shape[:-1], CODE_PLANE_BYTES)
+  return flat(p[..., 0, :]), flat(p[..., 1, :])
+
+
+def encode_codes(high: jnp.ndarray, half_base: jnp.ndarray) -> jnp.ndarray:
+  """High bytes of an eligible block -> its 256 code bytes.
+
+  Args:
+    high: int32 [..., 512] high bytes (sign << 7 | exponent >> 1).
+    half_base: int32 [...], b/2 of each block.
+
+  Returns:
+    int32 [..., 256] code bytes in 0..255.
+  """
+  hx, hy = _pairs(high)
+  hb = half_base[..., None]
+  dx, dy = (hx & 0x7F) - hb, (hy & 0x7F) - hb
+  return (hx & 0x80) | (dy << 4) | ((hy >> 4) & 0x08) | dx
+
+
+def decode_codes(codes: jnp.ndarray, half_base: jnp.ndarray) -> jnp.ndarray:
+  """256 code bytes + b/2 -> the 512 high bytes (int32 [..., 512])."""
+  hb = half_base[..., None]
+  hx = (codes & 0x87) + hb
+  hy = (((codes >> 4) & 0x07) | ((codes << 4) & 0x80)) + hb
+  lead = codes.shape[:-1]
+  both = jnp.stack([hx.reshape(*lead, 64, 4), hy.reshape(*lead, 64, 4)], axis=-2)
+  return both.reshape(*lead, VALUES_PER_BLOCK)
+
+
+def encode_rows(bits: jnp.ndarray, meta_byte: jnp.ndarray) -> jnp.ndarray:
+  """Encode blocks into fixed 1024-byte rows (stored prefix = block_units).
+
+  Args:
+    bits: uint16 [..., 512].
+    meta_byte: int32 [...] from `block_meta_byte`.
+
+  Returns:
+    uint8 [..., 1024].
+  """
+  b = bits.astype(jnp.int32)
+  low, high = b & 0xFF, b >> 8
+  eligible = (meta_byte <= MAX_HALF_BASE)[..., None]
+  codes = encode_codes(high, jnp.where(eligible[..., 0], meta_byte, 0))
+  codes = jnp.concatenate([codes, jnp.zeros_like(codes)], axis=-1)
+  second = jnp.where(eligible, codes, high)
+  return jnp.concatenate([low, second], axis=-1).astype(jnp.uint8)
+
+
+def decode_rows(rows: jnp.ndarray, meta_byte: jnp.ndarray) -> jnp.ndarray:
+  """Inverse of `encode_rows`: uint8 [..., 1024] + meta -> uint16 [..., 512].
+
+  Bytes past a block's stored size are ignored. Absent slots decode to 0.
+  """
+  r = rows.astype(jnp.int32)
+  low, second = r[..., :LOW_PLANE_BYTES], r[..., LOW_PLANE_BYTES:]
+  eligible = meta_byte <= MAX_HALF_BASE
+  restored = decode_codes(second[..., :CODE_PLANE_BYTES], jnp.where(eligible, meta_byte, 0))
+  high = jnp.where(eligible[..., None], restored, second)
+  return ((high << 8) | low).astype(jnp.uint16)
+
+
+def to_bits(x) -> jnp.ndarray:
+  """bfloat16 array -> uint16 bit patterns (exact)."""
+  return lax.bitcast_convert_type(jnp.asarray(x), jnp.uint16)
+
+
+def from_bits(bits: jnp.ndarray) -> jnp.ndarray:
+  """uint16 bit patterns -> bfloat16 array (exact)."""
+  return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)

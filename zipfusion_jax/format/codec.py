@@ -1,0 +1,178 @@
+"""Reference codec for independent blocks: the spec that the kernels match bit for bit.
+
+`compress(x)` treats each trailing row of 512 BF16 values as one block (in
+position order), groups consecutive blocks four at a time, and packs the
+stored blocks back to back in a byte payload. Everything is jnp, so it runs
+under `jax.jit`; shapes are static, so the payload is allocated at the raw
+worst case and `payload_units` says how much of it is used.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zipfusion_jax.format import block as B
+
+
+@flax.struct.dataclass
+class CompressedBlocks:
+  """Blocks in the 12-bit format: payload plus group metadata, one pytree.
+
+  Attributes:
+    payload: uint8 [num_blocks * 1024]; stored blocks at the offsets that
+      `group_meta` gives, the rest zero.
+    group_meta: uint32 [num_groups, 2]; per group of four blocks, word 0 is
+      version << 30 | offset in 256-byte units, word 1 holds the four
+      per-block bytes (slot k in bits 8k..8k+7): b/2, META_RAW or META_ABSENT.
+    payload_units: int32 []; 256-byte units of `payload` in use.
+    batch_shape: static; the leading shape of the original `[..., 512]` array.
+  """
+
+  payload: jax.Array
+  group_meta: jax.Array
+  payload_units: jax.Array
+  batch_shape: tuple[int, ...] = flax.struct.field(pytree_node=False)
+
+  @property
+  def num_blocks(self) -> int:
+    return math.prod(self.batch_shape)
+
+  @property
+  def num_groups(self) -> int:
+    return self.group_meta.shape[0]
+
+  @property
+  def meta_bytes(self) -> jax.Array:
+    """int32 [num_groups, 4]: the per-block metadata bytes."""
+    return unpack_meta_bytes(self.group_meta[:, 1])
+
+  @property
+  def compressible(self) -> jax.Array:
+    """bool [*batch_shape]: which blocks are stored in 12 bits."""
+    flat = self.meta_bytes.reshape(-1)[: self.num_blocks]
+    return (flat <= B.MAX_HALF_BASE).reshape(self.batch_shape)
+
+  @property
+  def nbytes(self):
+    """Payload plus metadata bytes (a Python int when concrete)."""
+    meta = self.num_groups * B.GROUP_META_BYTES
+    units = self.payload_units
+    if isinstance(units, jax.core.Tracer):
+      return units.astype(jnp.int32) * B.UNIT_BYTES + meta
+    return int(units) * B.UNIT_BYTES + meta
+
+  @property
+  def uncompressed_nbytes(self) -> int:
+    return self.num_blocks * B.VALUES_PER_BLOCK * 2
+
+
+def check_blocks_input(x) -> jax.Array:
+  """Validate a `[..., 512]` bfloat16 input and return it as a jax array."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None or jnp.dtype(dtype) != jnp.bfloat16:
+    raise TypeError(f"compress expects a bfloat16 array, got dtype={dtype}")
+  if x.ndim < 1 or x.shape[-1] != B.VALUES_PER_BLOCK:
+    raise ValueError(
+        f"compress expects shape [..., {B.VALUES_PER_BLOCK}] (one block per row), got {x.shape}"
+    )
+  return jnp.asarray(x)
+
+
+def pack_meta_bytes(meta_bytes: jax.Array) -> jax.Array:
+  """int32 [..., 4] -> uint32 [...]: slot k in bits 8k..8k+7."""
+  m = meta_bytes.astype(jnp.uint32)
+  return m[..., 0] | (m[..., 1] << 8) | (m[..., 2] << 16) | (m[..., 3] << 24)
+
+
+def unpack_meta_bytes(word: jax.Array) -> jax.Array:
+  """uint32 [...] -> int32 [..., 4]."""
+  shifts = jnp.arange(B.BLOCKS_PER_GROUP, dtype=jnp.uint32) * 8
+  return ((word[..., None] >> shifts) & 0xFF).astype(jnp.int32)
+
+
+def group_meta_bytes(meta_byte: jax.Array) -> jax.Array:
+  """int32 [num_blocks] -> int32 [num_groups, 4], padding with META_ABSENT."""
+  n = meta_byte.shape[0]
+  groups = -(-n // B.BLOCKS_PER_GROUP)
+  pad = groups * B.BLOCKS_PER_GROUP - n
+  padded = jnp.concatenate([meta_byte, jnp.full((pad,), B.META_ABSENT, jnp.int32)])
+  return padded.reshape(groups, B.BLOCKS_PER_GROUP)
+
+
+def block_offsets_in_group(meta_bytes: jax.Array) -> jax.Array:
+  """int32 [..., 4] -> int32 [..., 4]: offset of each slot from its group start, in units."""
+  units = B.block_units(meta_bytes)
+  return jnp.cumsum(units, axis=-1) - units
+
+
+def pack_groups(meta_bytes: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Place groups back to back from offset 0.
+
+  Args:
+    meta_bytes: int32 [num_groups, 4].
+
+  Returns:
+    (group_offsets int32 [G], group_meta uint32 [G, 2], total_units int32 []).
+  """
+  group_units = jnp.sum(B.block_units(meta_bytes), axis=-1)
+  offsets = jnp.cumsum(group_units) - group_units
+  return offsets, make_group_meta(offsets, meta_bytes), jnp.sum(group_units).astype(jnp.int32)
+
+
+def make_group_meta(group_offsets: jax.Array, meta_bytes: jax.Array, version: int = B.FORMAT_VERSION) -> jax.Array:
+  """Group offsets (units) and per-block bytes -> uint32 [G, 2] metadata words."""
+  word0 = (jnp.uint32(version) << B.VERSION_SHIFT) | group_offsets.astype(jnp.uint32)
+  return jnp.stack([word0, pack_meta_bytes(meta_bytes)], axis=-1)
+
+
+def block_byte_offsets(group_meta: jax.Array) -> jax.Array:
+  """uint32 [G, 2] -> int32 [G, 4]: byte offset of each block slot in the payload.
+
+  Offsets are computed in int32, so a single payload must stay under 2 GiB;
+  callers with larger arenas index in units.
+  """
+  meta_bytes = unpack_meta_bytes(group_meta[:, 1])
+  group_units = (group_meta[:, 0] & B.OFFSET_MASK).astype(jnp.int32)
+  units = group_units[:, None] + block_offsets_in_group(meta_bytes)
+  return units * B.UNIT_BYTES
+
+
+def compress_reference(x) -> CompressedBlocks:
+  """Reference encoder. x: bfloat16 [..., 512] -> CompressedBlocks."""
+  x = check_blocks_input(x)
+  batch_shape = tuple(x.shape[:-1])
+  bits = B.to_bits(x).reshape(-1, B.VALUES_PER_BLOCK)
+  n = bits.shape[0]
+  eligible, half_base = B.block_half_base(bits)
+  meta_byte = B.block_meta_byte(eligible, half_base)
+  rows = B.encode_rows(bits, meta_byte)
+  meta_bytes = group_meta_bytes(meta_byte)
+  _, group_meta, total_units = pack_groups(meta_bytes)
+  starts = block_byte_offsets(group_meta).reshape(-1)[:n]
+  capacity = n * B.ROW_BYTES
+  col = jnp.arange(B.ROW_BYTES, dtype=jnp.int32)
+  stored = col[None, :] < (B.block_units(meta_byte) * B.UNIT_BYTES)[:, None]
+  index = jnp.where(stored, starts[:, None] + col[None, :], capacity)
+  payload = jnp.zeros((capacity,), jnp.uint8).at[index.reshape(-1)].set(rows.reshape(-1), mode="drop")
+  return CompressedBlocks(payload, group_meta, total_units, batch_shape)
+
+
+def decompress_reference(c: CompressedBlocks) -> jax.Array:
+  """Reference decoder: CompressedBlocks -> bfloat16 [*batch_shape, 512], bit-exact.
+
+  Reads are bounded by the payload (out-of-range bytes read as zero), so even
+  corrupted metadata cannot read out of bounds; `validate` reports it.
+  """
+  n = c.num_blocks
+  starts = block_byte_offsets(c.group_meta).reshape(-1)[:n]
+  index = starts[:, None] + jnp.arange(B.ROW_BYTES, dtype=jnp.int32)[None, :]
+  rows = jnp.take(c.payload, index, mode="fill", fill_value=0)
+  meta_byte = c.meta_bytes.reshape(-1)[:n]
+  bits = B.decode_rows(rows, meta_byte)
+  return B.from_bits(bits).reshape(*c.batch_shape, B.VALUES_PER_BLOCK)
+

@@ -1,0 +1,96 @@
+"""Page layout: which 512 values of a 16-token page form each block, in which order.
+
+A page holds `PAGE_SIZE` tokens x `head_dim` values of one layer, one KV head,
+K or V. Block j of a page covers dims [32 j, 32 j + 32) of all 16 tokens,
+so head_dim 128 gives four blocks and head_dim 64 two. Inside a block the
+values are ordered as two 16x16 *fragment tiles* (c = 0, 1), each tile in the
+register order of a Hopper wgmma / mma.m16n8k16 A-operand fragment, so the
+eight values one thread feeds to a tensor-core instruction are contiguous:
+
+  tile element M[row, col] (row, col in 0..15) sits at position
+    c * 256 + lane * 8 + i,   lane = (row % 8) * 4 + (col % 8) // 2,
+                              i    = (col // 8) * 4 + (row // 8) * 2 + col % 2
+
+K is the A operand of S^T = K Q^T (rows = tokens, cols = dims):
+  tile c of K block j: M[row, col] = K[token=row, dim=32 j + 16 c + col]
+V is the A operand of O^T = V^T P^T (rows = dims, cols = tokens):
+  tile c of V block j: M[row, col] = V[token=col, dim=32 j + 16 c + row]
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import numpy as np
+import jax.numpy as jnp
+
+from zipfusion_jax.format.block import VALUES_PER_BLOCK
+
+PAGE_SIZE = 16
+DIMS_PER_BLOCK = VALUES_PER_BLOCK // PAGE_SIZE  # 32
+TILE = 16
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+Kind = Literal["k", "v"]
+
+
+def blocks_per_page(head_dim: int) -> int:
+  check_head_dim(head_dim)
+  return head_dim // DIMS_PER_BLOCK
+
+
+def check_head_dim(head_dim: int) -> None:
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    raise ValueError(f"{head_dim=} is not supported; expected one of {SUPPORTED_HEAD_DIMS}")
+
+
+def tile_position(row: np.ndarray, col: np.ndarray) -> np.ndarray:
+  """Position (0..255) of element [row, col] of a 16x16 fragment tile."""
+  lane = (row % 8) * 4 + (col % 8) // 2
+  i = (col // 8) * 4 + (row // 8) * 2 + col % 2
+  return lane * 8 + i
+
+
+@functools.lru_cache(maxsize=None)
+def page_permutation(kind: Kind, head_dim: int) -> np.ndarray:
+  """int32 [head_dim // 32, 512]: flat page index (token * head_dim + dim) per block position."""
+  if kind not in ("k", "v"):
+    raise ValueError(f"{kind=} must be 'k' or 'v'")
+  nblocks = blocks_per_page(head_dim)
+  perm = np.empty((nblocks, VALUES_PER_BLOCK), np.int32)
+  row, col = np.meshgrid(np.arange(TILE), np.arange(TILE), indexing="ij")
+  pos = tile_position(row, col)
+  for j in range(nblocks):
+    for c in range(2):
+      dim0 = j * DIMS_PER_BLOCK + c * TILE
+      token, dim = (row, dim0 + col) if kind == "k" else (col, dim0 + row)
+      perm[j, c * 256 + pos] = token * head_dim + dim
+  perm.setflags(write=False)
+  return perm
+
+
+@functools.lru_cache(maxsize=None)
+def inverse_page_permutation(kind: Kind, head_dim: int) -> np.ndarray:
+  """int32 [16 * head_dim]: flat block-major position of each page element."""
+  inv = np.empty(PAGE_SIZE * head_dim, np.int32)
+  inv[page_permutation(kind, head_dim).reshape(-1)] = np.arange(PAGE_SIZE * head_dim, dtype=np.int32)
+  inv.setflags(write=False)
+  return inv
+
+
+def pages_to_blocks(pages: jnp.ndarray, kind: Kind) -> jnp.ndarray:
+  """[..., 16, head_dim] -> [..., head_dim // 32, 512] in block position order."""
+  head_dim = pages.shape[-1]
+  if pages.shape[-2] != PAGE_SIZE:
+    raise ValueError(f"pages must have {PAGE_SIZE} tokens on axis -2, got shape {pages.shape}")
+  flat = pages.reshape(*pages.shape[:-2], PAGE_SIZE * head_dim)
+  return jnp.take(flat, jnp.asarray(page_permutation(kind, head_dim)), axis=-1)
+
+
+def blocks_to_pages(blocks: jnp.ndarray, kind: Kind) -> jnp.ndarray:
+  """[..., head_dim // 32, 512] -> [..., 16, head_dim]; inverse of `pages_to_blocks`."""
+  head_dim = blocks.shape[-2] * DIMS_PER_BLOCK
+  flat = blocks.reshape(*blocks.shape[:-2], PAGE_SIZE * head_dim)
+  inv = jnp.asarray(inverse_page_permutation(kind, head_dim))
+  return jnp.take(flat, inv, axis=-1).reshape(*blocks.shape[:-2], PAGE_SIZE, head_dim)

@@ -1,0 +1,80 @@
+"""Eligibility telemetry: how much of a KV tensor the 12-bit format covers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zipfusion_jax.format import block as B
+from zipfusion_jax.format import layout
+from zipfusion_jax.format.layout import Kind
+
+
+@dataclasses.dataclass(frozen=True)
+class EligibilityReport:
+  """Per layer and KV head statistics over the complete pages of one of K or V.
+
+  Attributes:
+    kind: "k" or "v".
+    eligible_fraction: float64 [layers, kv_heads], share of 512-value blocks
+      stored in 12 bits.
+    bits_per_value: float64 [layers, kv_heads], stored bits (payload plus the
+      8-byte group metadata of every page) per BF16 value.
+    pages: complete 16-token pages per (layer, head) that were measured; tail
+      tokens of an incomplete page stay raw and are not counted.
+  """
+
+  kind: str
+  eligible_fraction: np.ndarray
+  bits_per_value: np.ndarray
+  pages: int
+
+  @property
+  def overall_eligible_fraction(self) -> float:
+    return float(self.eligible_fraction.mean())
+
+  @property
+  def overall_bits_per_value(self) -> float:
+    return float(self.bits_per_value.mean())
+
+  @property
+  def compression_ratio(self) -> float:
+    return 16.0 / self.overall_bits_per_value
+
+
+@jax.jit
+def _block_eligibility(blocks_bits: jax.Array) -> jax.Array:
+  return B.block_half_base(blocks_bits)[0]
+
+
+def eligibility_report(x, kind: Kind) -> EligibilityReport:
+  """Measure the block rule on a KV tensor.
+
+  Args:
+    x: bfloat16 [layers, kv_heads, tokens, head_dim] (K or V of a sequence).
+    kind: "k" or "v" (selects the page layout).
+  """
+  if jnp.dtype(getattr(x, "dtype", None)) != jnp.bfloat16:
+    raise TypeError(f"eligibility_report expects bfloat16, got {getattr(x, 'dtype', None)}")
+  if x.ndim != 4:
+    raise ValueError(f"expected [layers, kv_heads, tokens, head_dim], got shape {x.shape}")
+  layers, heads, tokens, head_dim = x.shape
+  layout.check_head_dim(head_dim)
+  pages = tokens // layout.PAGE_SIZE
+  if pages == 0:
+    raise ValueError(f"{tokens=} holds no complete {layout.PAGE_SIZE}-token page")
+  paged = jnp.asarray(x)[:, :, : pages * layout.PAGE_SIZE].reshape(layers, heads, pages, layout.PAGE_SIZE, head_dim)
+  blocks = layout.pages_to_blocks(paged, kind)  # [L, H, P, nb, 512]
+  eligible = np.asarray(_block_eligibility(B.to_bits(blocks)))
+  units = np.where(eligible, B.COMPRESSED_UNITS, B.RAW_UNITS)
+  stored = units.sum(axis=(2, 3)) * B.UNIT_BYTES + pages * B.GROUP_META_BYTES
+  values = pages * layout.PAGE_SIZE * head_dim
+  return EligibilityReport(
+      kind=kind,
+      eligible_fraction=eligible.mean(axis=(2, 3)).astype(np.float64),
+      bits_per_value=stored * 8.0 / values,
+      pages=pages,
+  )
