@@ -21,8 +21,10 @@ class EligibilityReport:
     kind: "k" or "v".
     eligible_fraction: float64 [layers, kv_heads], share of 512-value blocks
       stored in 12 bits.
-    bits_per_value: float64 [layers, kv_heads], stored bits (payload plus the
-      8-byte group metadata of every page) per BF16 value.
+    bits_per_value: float64 [layers, kv_heads], stored bits per BF16 value:
+      payload plus 8 bytes of metadata per group of 4 consecutive blocks of
+      one (layer, head), as `compress` groups them (one page for head_dim
+      128, two pages for head_dim 64).
     pages: complete 16-token pages per (layer, head) that were measured; tail
       tokens of an incomplete page stay raw and are not counted.
   """
@@ -70,7 +72,8 @@ def eligibility_report(x, kind: Kind) -> EligibilityReport:
   blocks = layout.pages_to_blocks(paged, kind)  # [L, H, P, nb, 512]
   eligible = np.asarray(_block_eligibility(B.to_bits(blocks)))
   units = np.where(eligible, B.COMPRESSED_UNITS, B.RAW_UNITS)
-  stored = units.sum(axis=(2, 3)) * B.UNIT_BYTES + pages * B.GROUP_META_BYTES
+  groups = -(-pages * blocks.shape[3] // B.BLOCKS_PER_GROUP)
+  stored = units.sum(axis=(2, 3)) * B.UNIT_BYTES + groups * B.GROUP_META_BYTES
   values = pages * layout.PAGE_SIZE * head_dim
   return EligibilityReport(
       kind=kind,

@@ -165,14 +165,19 @@ def compress_reference(x) -> CompressedBlocks:
 def decompress_reference(c: CompressedBlocks) -> jax.Array:
   """Reference decoder: CompressedBlocks -> bfloat16 [*batch_shape, 512], bit-exact.
 
-  Reads are bounded by the payload (out-of-range bytes read as zero), so even
-  corrupted metadata cannot read out of bounds; `validate` reports it.
+  Reads are bounded by the payload, so even corrupted metadata cannot read
+  out of bounds: a block whose group has an unknown version or whose offset
+  lies past the payload decodes from zero bytes. `validate` reports both.
   """
   n = c.num_blocks
-  starts = block_byte_offsets(c.group_meta).reshape(-1)[:n]
+  payload_units = c.payload.shape[0] // B.UNIT_BYTES
+  meta_bytes = unpack_meta_bytes(c.group_meta[:, 1])
+  group_units = (c.group_meta[:, 0] & B.OFFSET_MASK).astype(jnp.int32)  # < 2^30: no int32 wrap
+  units = group_units[:, None] + block_offsets_in_group(meta_bytes)
+  known = (c.group_meta[:, 0] >> B.VERSION_SHIFT) == B.FORMAT_VERSION
+  inside = known[:, None] & (units < payload_units)
+  starts = jnp.where(inside, units * B.UNIT_BYTES, c.payload.shape[0]).reshape(-1)[:n]
   index = starts[:, None] + jnp.arange(B.ROW_BYTES, dtype=jnp.int32)[None, :]
   rows = jnp.take(c.payload, index, mode="fill", fill_value=0)
-  meta_byte = c.meta_bytes.reshape(-1)[:n]
-  bits = B.decode_rows(rows, meta_byte)
+  bits = B.decode_rows(rows, meta_bytes.reshape(-1)[:n])
   return B.from_bits(bits).reshape(*c.batch_shape, B.VALUES_PER_BLOCK)
-

@@ -1,0 +1,74 @@
+"""Exhaustive BF16 test blocks and an independent numpy decoder written from docs/FORMAT.md."""
+
+from __future__ import annotations
+
+import numpy as np
+import ml_dtypes
+
+ALL_PATTERNS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+def eligible_rotations() -> np.ndarray:
+  """uint16 [65536, 512]: every pattern at every position, every block eligible.
+
+  Patterns are split into 16 windows of 16 exponents (b = 0, 16, ..., 240;
+  4096 patterns = 8 blocks each), shuffled inside the window so that each
+  block spans its window, and rotated by r = 0..511 within the window so that
+  each pattern visits every position once.
+  """
+  rng = np.random.default_rng(1234)
+  exponent = (ALL_PATTERNS >> 7) & 0xFF
+  out = []
+  for w in range(16):
+    window = ALL_PATTERNS[(exponent >> 4) == w]
+    window = window[rng.permutation(window.size)]
+    # block k, position p of rotation r holds window[(k * 512 + p + r) % 4096]
+    idx = (np.arange(8)[None, :, None] * 512 + np.arange(512)[None, None, :] + np.arange(512)[:, None, None]) % 4096
+    out.append(window[idx].reshape(-1, 512))
+  return np.concatenate(out)
+
+
+def raw_rotations() -> np.ndarray:
+  """uint16 [65536, 512]: every pattern at every position, blocks mixing all exponents."""
+  rng = np.random.default_rng(4321)
+  shuffled = ALL_PATTERNS[rng.permutation(ALL_PATTERNS.size)].reshape(128, 512)
+  rows = [np.roll(shuffled.reshape(-1), r).reshape(128, 512) for r in range(512)]
+  return np.concatenate(rows)
+
+
+def as_bf16(bits: np.ndarray) -> np.ndarray:
+  return bits.view(ml_dtypes.bfloat16)
+
+
+def numpy_block_rule(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(eligible, half_base) from the words of docs/FORMAT.md, independent of the jnp code."""
+  e = (bits.astype(np.int32) >> 7) & 0xFF
+  b = e.min(axis=-1) - (e.min(axis=-1) % 2)
+  return (e.max(axis=-1) <= b + 15), b // 2
+
+
+def numpy_decode(payload: np.ndarray, group_meta: np.ndarray, num_blocks: int) -> np.ndarray:
+  """Decode CompressedBlocks arrays to uint16 [num_blocks, 512] with byte-level numpy."""
+  out = np.zeros((num_blocks, 512), np.uint16)
+  meta_le = group_meta.astype("<u4").tobytes()
+  for blk in range(num_blocks):
+    g, slot = divmod(blk, 4)
+    word0 = int.from_bytes(meta_le[8 * g : 8 * g + 4], "little")
+    slots = meta_le[8 * g + 4 : 8 * g + 8]
+    assert word0 >> 30 == 1
+    start = (word0 & ((1 << 30) - 1)) * 256
+    for k in range(slot):
+      start += 768 if slots[k] <= 127 else 1024
+    low = payload[start : start + 512].astype(np.uint16)
+    m = slots[slot]
+    if m == 0xFF:
+      high = payload[start + 512 : start + 1024].astype(np.uint16)
+    else:
+      codes = payload[start + 512 : start + 768].astype(np.uint16)
+      high = np.zeros(512, np.uint16)
+      q = np.arange(256)
+      x = 8 * (q // 4) + q % 4
+      high[x] = ((codes >> 7) << 7) | ((codes & 7) + m)
+      high[x + 4] = (((codes >> 3) & 1) << 7) | (((codes >> 4) & 7) + m)
+    out[blk] = (high << 8) | low
+  return out
