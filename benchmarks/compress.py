@@ -37,7 +37,7 @@ def cupti_us(f, *args, iterations=10, skip=()):
     if not timings:  # CUPTI saw no kernel (e.g. XLA elided the work): fall back to wall time
       return wall_us(f, *args), ["wall"]
     per_iter.append(sum(ms for name, ms in timings if not any(s in name for s in skip)) * 1e3)
-  return statistics.median(per_iter), [name for name, _ in timings]
+  return statistics.median(per_iter), [f"{name}: {ms * 1e3:.1f} us" for name, ms in timings]
 
 
 def wall_us(f, *args, iterations=10):
@@ -70,12 +70,11 @@ def main():
   x = synthetic_blocks(jax.random.key(0), n)
   input_bytes = n * 1024
   variants = {
-      "pallas_single_pass": CompressConfig(),
-      "pallas_chunk_8k": CompressConfig(chunk_blocks=8192),
-      "pallas_chunk_16k": CompressConfig(chunk_blocks=16384),
-      "pallas_chunk_32k": CompressConfig(chunk_blocks=32768),
-      "pallas_chunk_16k_w8": CompressConfig(chunk_blocks=16384, num_warps=8),
-      "pallas_chunk_16k_plan64": CompressConfig(chunk_blocks=16384, plan_blocks=64),
+      "pallas_plan16_w4": CompressConfig(),
+      "pallas_plan16_w8": CompressConfig(num_warps=8),
+      "pallas_plan64_w4": CompressConfig(plan_blocks=64),
+      "pallas_plan64_w8": CompressConfig(plan_blocks=64, num_warps=8),
+      "pallas_plan4_w2": CompressConfig(plan_blocks=4, num_warps=2),
   }
   c_ref_small = zf.compress(x[:4096])
   rows = []
@@ -90,7 +89,7 @@ def main():
     rows.append({
         "variant": name, "time_us": kernel_us, "time_us_with_zero_fill": total_us,
         "wall_us": wall_us(f, x), "input_tbps": input_bytes / kernel_us / 1e6,
-        "kernels_per_call": len(kernels), "kernel_names": sorted(set(kernels)),
+        "kernels_per_call": len(kernels), "kernel_times": kernels,
     })
     print(f"{name:28s} kernels {kernel_us:8.1f} us  {input_bytes / kernel_us / 1e6:5.2f} TB/s  "
           f"(+zero fill {total_us:8.1f} us, wall {rows[-1]['wall_us']:8.1f} us)", flush=True)

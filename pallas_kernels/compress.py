@@ -12,15 +12,16 @@ Two kernels run back to back inside one jitted function:
   write into an existing arena.
 
 Backend: Pallas Triton. Placement of variable-size blocks needs scalar
-address arithmetic and strided/conditional stores, which the Triton lowering
+address arithmetic and strided/masked stores, which the Triton lowering
 expresses directly; the Mosaic GPU lowering of this jax has no fetch-and-add
-(its atomics return nothing) and needs TMA-sized copies. Measured on the
-H200: see benchmarks/RESULTS.md (`benchmarks/compress.py`). With
-`CompressConfig.chunk_blocks` set, plan and pack run chunk by chunk, so the
-pack kernel's second read of a chunk comes from L2 rather than HBM.
+(its atomics return nothing) and needs TMA-sized copies. The payload is not
+pre-filled: each pack program zeroes the part of its worst-case window that
+lies past the data (a full zero fill cost more than both kernels, measured).
+Splitting into L2-sized chunks was measured slower (one launch pair per
+chunk). Figures: benchmarks/RESULTS.md (`python -m benchmarks.compress`).
 
 In-kernel views (free reshapes done by the wrapper):
-  blocks  uint16 [N, 128, 4]: row 2k holds positions 8k..8k+3 (x), row 2k+1
+  blocks  uint16 [N * 128, 4]: in block n, row 128n + 2k holds positions 8k..8k+3 (x), row 2k+1
           positions 8k+4..8k+7 (y), so the code pairs (x, y) are rows 2k, 2k+1.
   payload uint8 [units * 64, 4]: one 256-byte unit is 64 rows of 4 bytes.
 """
@@ -50,29 +51,21 @@ class CompressConfig:
   Attributes:
     plan_blocks: blocks per program of the plan kernel (power of two).
     num_warps: Triton warps per program for both kernels.
-    chunk_blocks: if set, run plan + pack per chunk of this many blocks
-      (a multiple of 4 * plan_blocks) so the pack kernel re-reads from L2.
   """
 
   plan_blocks: int = 16
   num_warps: int = 4
-  chunk_blocks: int | None = None
 
   def __post_init__(self):
     if self.plan_blocks <= 0 or self.plan_blocks & (self.plan_blocks - 1):
       raise ValueError(f"plan_blocks={self.plan_blocks} must be a power of two")
-    if self.chunk_blocks is not None and self.chunk_blocks % (4 * self.plan_blocks):
-      raise ValueError(f"chunk_blocks={self.chunk_blocks} must be a multiple of {4 * self.plan_blocks}")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
 
 
 def heuristic_config(num_blocks: int) -> CompressConfig:
-  """Default config for `num_blocks` blocks.
-
-  Chunks of 16Ki blocks (16 MiB of BF16) fit in the H200's 60 MB L2 with room
-  for the payload being written; below that size a single pass is one chunk.
-  """
-  if num_blocks >= 4 * 16384:
-    return CompressConfig(chunk_blocks=16384)
+  """Default config for `num_blocks` blocks (the best variant of benchmarks/compress.py)."""
+  del num_blocks
   return CompressConfig()
 
 
@@ -84,18 +77,29 @@ def _plan_kernel(bits_ref, meta_ref):
   meta_ref[...] = jnp.where(eligible, base >> 1, B.META_RAW)
 
 
-def _pack_kernel(meta_ref, offset_ref, bits_ref, _payload_in_ref, payload_ref, *, group0: int):
+def _pack_kernel(meta_ref, offset_ref, total_ref, bits_ref, payload_ref):
   # meta_ref:    int32 [groups * 4] (whole array), per-block byte
   # offset_ref:  int32 [groups] (whole array), group offset in units
-  # bits_ref:    uint16 [4, 128, 4], this group's four blocks
-  # payload_ref: uint8 [units * 64, 4] (whole array, aliased with the input)
-  g = pl.program_id(0) + group0
+  # total_ref:   int32 [1], units in use
+  # bits_ref:    uint16 [4 * 128, 4], this group's four blocks (block k at rows 128k..)
+  # payload_ref: uint8 [groups * 16 * 64, 4] (whole array)
+  g = pl.program_id(0)
+  # Zero this group's worst-case window [16 g, 16 g + 16) units where it lies past the
+  # data: the windows tile the payload, so the tail is zeroed once, with no full fill.
+  window = g * B.BLOCKS_PER_GROUP * B.RAW_UNITS * ROWS_PER_UNIT
+  window_rows = B.BLOCKS_PER_GROUP * B.RAW_UNITS * ROWS_PER_UNIT
+  rows = window + jax.lax.broadcasted_iota(jnp.int32, (window_rows, 4), 0)
+  pltr.store(
+      payload_ref.at[pl.ds(window, window_rows), :],
+      jnp.zeros((window_rows, 4), jnp.uint8),
+      mask=rows >= total_ref[0] * ROWS_PER_UNIT,
+  )
   unit = offset_ref[g]
   for k in range(B.BLOCKS_PER_GROUP):
     mb = meta_ref[g * B.BLOCKS_PER_GROUP + k]
     row = unit * ROWS_PER_UNIT
-    x = bits_ref.at[k][pl.ds(0, 64, stride=2), :].astype(jnp.int32)  # [64, 4]
-    y = bits_ref.at[k][pl.ds(1, 64, stride=2), :].astype(jnp.int32)
+    x = bits_ref[pl.ds(k * LOW_ROWS, 64, stride=2), :].astype(jnp.int32)  # [64, 4]
+    y = bits_ref[pl.ds(k * LOW_ROWS + 1, 64, stride=2), :].astype(jnp.int32)
 
     @pl.when(mb != B.META_ABSENT)
     def _low():
@@ -113,77 +117,60 @@ def _pack_kernel(meta_ref, offset_ref, bits_ref, _payload_in_ref, payload_ref, *
       payload_ref[pl.ds(row + LOW_ROWS, 64, stride=2), :] = (x >> 8).astype(jnp.uint8)
       payload_ref[pl.ds(row + LOW_ROWS + 1, 64, stride=2), :] = (y >> 8).astype(jnp.uint8)
 
-    unit = unit + jnp.where(mb <= B.MAX_HALF_BASE, B.COMPRESSED_UNITS, jnp.where(mb == B.META_RAW, B.RAW_UNITS, 0))
+    # Sizes as integer arithmetic: Triton's lowering of nested scalar selects mixes i1 and i32.
+    is_compressed = (mb <= B.MAX_HALF_BASE).astype(jnp.int32)
+    is_raw = (mb == B.META_RAW).astype(jnp.int32)
+    unit = unit + is_compressed * B.COMPRESSED_UNITS + is_raw * B.RAW_UNITS
 
 
-def _plan(bits2d, block0: int, nblocks: int, config: CompressConfig, interpret: bool):
+def _plan(bits2d, config: CompressConfig, interpret: bool):
   t = config.plan_blocks
+  n = bits2d.shape[0]
   return pl.pallas_call(
       _plan_kernel,
-      grid=(nblocks // t,),
-      in_specs=[pl.BlockSpec((t, B.VALUES_PER_BLOCK), lambda i: (i + block0 // t, 0))],  # bits
+      grid=(n // t,),
+      in_specs=[pl.BlockSpec((t, B.VALUES_PER_BLOCK), lambda i: (i, 0))],  # bits
       out_specs=pl.BlockSpec((t,), lambda i: (i,)),  # meta bytes
-      out_shape=jax.ShapeDtypeStruct((nblocks,), jnp.int32),
+      out_shape=jax.ShapeDtypeStruct((n,), jnp.int32),
       interpret=interpret,
       compiler_params=pltr.CompilerParams(num_warps=config.num_warps),
       name="zipfusion_compress_plan",
   )(bits2d)
 
 
-def _pack(meta_flat, group_offsets, bits3d, payload_rows, group0: int, ngroups: int, config, interpret):
+def _pack(meta, group_offsets, total_units, bits_rows, config, interpret):
+  groups = group_offsets.shape[0]
+  payload_rows = groups * B.BLOCKS_PER_GROUP * B.RAW_UNITS * ROWS_PER_UNIT
   return pl.pallas_call(
-      functools.partial(_pack_kernel, group0=group0),
-      grid=(ngroups,),
+      _pack_kernel,
+      grid=(groups,),
       in_specs=[
           pl.BlockSpec(memory_space=pl.ANY),  # meta bytes, whole
           pl.BlockSpec(memory_space=pl.ANY),  # group offsets, whole
-          pl.BlockSpec((B.BLOCKS_PER_GROUP, LOW_ROWS, 4), lambda g: (g + group0, 0, 0)),  # bits
-          pl.BlockSpec(memory_space=pl.ANY),  # payload in (aliased)
+          pl.BlockSpec(memory_space=pl.ANY),  # units in use
+          pl.BlockSpec((B.BLOCKS_PER_GROUP * LOW_ROWS, 4), lambda g: (g, 0)),  # bits
       ],
-      out_specs=pl.BlockSpec(memory_space=pl.ANY),  # payload out
-      out_shape=jax.ShapeDtypeStruct(payload_rows.shape, jnp.uint8),
-      input_output_aliases={3: 0},
+      out_specs=pl.BlockSpec(memory_space=pl.ANY),  # payload, written whole
+      out_shape=jax.ShapeDtypeStruct((payload_rows, 4), jnp.uint8),
       interpret=interpret,
       compiler_params=pltr.CompilerParams(num_warps=config.num_warps),
       name="zipfusion_compress_pack",
-  )(meta_flat, group_offsets, bits3d, payload_rows)
+  )(meta, group_offsets, total_units, bits_rows)
 
 
 @functools.partial(jax.jit, static_argnames=("num_blocks", "config", "interpret"))
 def _compress_bits(bits2d: jax.Array, *, num_blocks: int, config: CompressConfig, interpret: bool):
   """bits2d: uint16 [N, 512], N a multiple of 4 * plan_blocks; rows >= num_blocks are padding."""
   n = bits2d.shape[0]
-  chunk = config.chunk_blocks or n
-  bits3d = bits2d.reshape(n, LOW_ROWS, 4)
-  payload_rows = jnp.zeros((n * B.RAW_UNITS * ROWS_PER_UNIT, 4), jnp.uint8)
-  metas, offsets = [], []
-  base = jnp.int32(0)
-  for block0 in range(0, n, chunk):
-    nblocks = min(chunk, n - block0)
-    meta = _plan(bits2d, block0, nblocks, config, interpret)
-    if block0 + nblocks > num_blocks:  # padding rows become absent slots
-      index = block0 + jnp.arange(nblocks)
-      meta = jnp.where(index < num_blocks, meta, B.META_ABSENT)
-    meta_bytes = meta.reshape(-1, B.BLOCKS_PER_GROUP)
-    group_units = jnp.sum(B.block_units(meta_bytes), axis=-1)
-    group_offsets = base + jnp.cumsum(group_units) - group_units
-    base = base + jnp.sum(group_units)
-    # The pack kernel indexes whole arrays by absolute group, so pad this
-    # chunk's metadata to start at group 0 (a few bytes per chunk).
-    g0 = block0 // B.BLOCKS_PER_GROUP
-    pad_m = jnp.zeros((block0,), jnp.int32)
-    pad_o = jnp.zeros((g0,), jnp.int32)
-    payload_rows = _pack(
-        jnp.concatenate([pad_m, meta]), jnp.concatenate([pad_o, group_offsets]),
-        bits3d, payload_rows, g0, nblocks // B.BLOCKS_PER_GROUP, config, interpret,
-    )
-    metas.append(meta_bytes)
-    offsets.append(group_offsets)
-  meta_bytes = jnp.concatenate(metas)
-  group_meta = codec.make_group_meta(jnp.concatenate(offsets), meta_bytes)
+  meta = _plan(bits2d, config, interpret)
+  if n > num_blocks:  # padding rows become absent slots
+    meta = jnp.where(jnp.arange(n) < num_blocks, meta, B.META_ABSENT)
+  meta_bytes = meta.reshape(-1, B.BLOCKS_PER_GROUP)
+  group_offsets, group_meta, total_units = codec.pack_groups(meta_bytes)
+  payload_rows = _pack(meta, group_offsets, total_units.reshape(1), bits2d.reshape(n * LOW_ROWS, 4), config, interpret)
   groups = -(-num_blocks // B.BLOCKS_PER_GROUP)
   payload = payload_rows.reshape(-1)[: num_blocks * B.ROW_BYTES]
-  return payload, group_meta[:groups], base.astype(jnp.int32)
+  return payload, group_meta[:groups], total_units
 
 
 def compress_pallas(x, *, config: CompressConfig | None = None, interpret: bool | None = None) -> codec.CompressedBlocks:
@@ -203,8 +190,6 @@ def compress_pallas(x, *, config: CompressConfig | None = None, interpret: bool 
   padded = -(-n // quantum) * quantum
   if padded != n:
     bits = jnp.pad(bits, ((0, padded - n), (0, 0)))
-  if config.chunk_blocks is not None and config.chunk_blocks >= padded:
-    config = dataclasses.replace(config, chunk_blocks=None)
   payload, group_meta, units = _compress_bits(
       bits, num_blocks=n, config=config, interpret=resolve_interpret(interpret)
   )

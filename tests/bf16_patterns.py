@@ -47,18 +47,28 @@ def numpy_block_rule(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return (e.max(axis=-1) <= b + 15), b // 2
 
 
-def numpy_decode(payload: np.ndarray, group_meta: np.ndarray, num_blocks: int) -> np.ndarray:
-  """Decode CompressedBlocks arrays to uint16 [num_blocks, 512] with byte-level numpy."""
-  out = np.zeros((num_blocks, 512), np.uint16)
-  meta_le = group_meta.astype("<u4").tobytes()
-  for blk in range(num_blocks):
+SLOT_UNITS = {0xFF: 4, 0xFE: 0}  # raw, absent; b/2 values 0..127 take 3 units
+
+
+def numpy_decode(payload: np.ndarray, group_meta: np.ndarray, blocks) -> np.ndarray:
+  """Decode the given block indices of CompressedBlocks arrays to uint16 [len(blocks), 512].
+
+  Written from the words of docs/FORMAT.md with byte-level numpy, sharing no
+  code with the package: little-endian metadata words, version in bits 31..30,
+  offsets in 256-byte units, slot sizes summed within the group.
+  """
+  blocks = list(blocks)
+  out = np.zeros((len(blocks), 512), np.uint16)
+  meta_le = np.asarray(group_meta).astype("<u4").tobytes()
+  payload = np.asarray(payload)
+  for row, blk in enumerate(blocks):
     g, slot = divmod(blk, 4)
     word0 = int.from_bytes(meta_le[8 * g : 8 * g + 4], "little")
     slots = meta_le[8 * g + 4 : 8 * g + 8]
     assert word0 >> 30 == 1
     start = (word0 & ((1 << 30) - 1)) * 256
     for k in range(slot):
-      start += 768 if slots[k] <= 127 else 1024
+      start += 256 * SLOT_UNITS.get(slots[k], 3)
     low = payload[start : start + 512].astype(np.uint16)
     m = slots[slot]
     if m == 0xFF:
@@ -70,5 +80,5 @@ def numpy_decode(payload: np.ndarray, group_meta: np.ndarray, num_blocks: int) -
       x = 8 * (q // 4) + q % 4
       high[x] = ((codes >> 7) << 7) | ((codes & 7) + m)
       high[x + 4] = (((codes >> 3) & 1) << 7) | (((codes >> 4) & 7) + m)
-    out[blk] = (high << 8) | low
+    out[row] = (high << 8) | low
   return out

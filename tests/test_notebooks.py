@@ -1,0 +1,16 @@
+"""Notebooks execute top to bottom (slow tier)."""
+
+import pathlib
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs(path):
+  nb = nbformat.read(path, as_version=4)
+  NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parents[1])}}).execute()
