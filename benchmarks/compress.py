@@ -70,11 +70,11 @@ def main():
   x = synthetic_blocks(jax.random.key(0), n)
   input_bytes = n * 1024
   variants = {
-      "pallas_plan16_w4": CompressConfig(),
-      "pallas_plan16_w8": CompressConfig(num_warps=8),
-      "pallas_plan64_w4": CompressConfig(plan_blocks=64),
-      "pallas_plan64_w8": CompressConfig(plan_blocks=64, num_warps=8),
-      "pallas_plan4_w2": CompressConfig(plan_blocks=4, num_warps=2),
+      "single_pass_w4": CompressConfig(),
+      "single_pass_w2": CompressConfig(num_warps=2),
+      "single_pass_w8": CompressConfig(num_warps=8),
+      "two_pass_plan16_w4": CompressConfig(single_pass=False),
+      "two_pass_plan64_w8": CompressConfig(single_pass=False, plan_blocks=64, num_warps=8),
   }
   c_ref_small = zf.compress(x[:4096])
   rows = []

@@ -1,15 +1,15 @@
 """Pallas compression kernel: BF16 blocks -> the 12-bit format of docs/FORMAT.md.
 
-Two kernels run back to back inside one jitted function:
+Default (`single_pass=True`): one kernel reads each group of four blocks once,
+decides every block's rule (b/2 or raw), finds the group's payload offset by a
+decoupled look-back over earlier groups' posted sizes (a ticket counter hands
+out groups in launch order, so waiting cannot deadlock), and writes low bytes,
+code bytes or raw high bytes there; a second, write-only kernel zeroes the
+unused tail of the worst-case payload.
 
-* `_plan_kernel` reads each block's exponents and decides the block rule:
-  b/2 for eligible blocks, META_RAW otherwise (int32 [N]).
-* XLA turns those bytes into group offsets (an exclusive cumsum over groups,
-  8 bytes of metadata per 4 KiB of input) and the group metadata words.
-* `_pack_kernel` (one program per group of four blocks) reads the blocks
-  again and writes low bytes, code bytes or raw high bytes at the group's
-  offset in the payload, which is aliased in and out, so the same kernel can
-  write into an existing arena.
+Fallback (`single_pass=False`): `_plan_kernel` decides the block rules, XLA
+computes group offsets with a cumsum, `_pack_kernel` reads the blocks again
+and writes them (tail zeroing included).
 
 Backend: Pallas Triton. Placement of variable-size blocks needs scalar
 address arithmetic and strided/masked stores, which the Triton lowering
@@ -49,10 +49,13 @@ class CompressConfig:
   """Tuning knobs of the compression kernels.
 
   Attributes:
+    single_pass: one kernel that reads the input once and places groups by a
+      decoupled look-back; False runs plan (exponents) then pack (reads again).
     plan_blocks: blocks per program of the plan kernel (power of two).
-    num_warps: Triton warps per program for both kernels.
+    num_warps: Triton warps per program.
   """
 
+  single_pass: bool = True
   plan_blocks: int = 16
   num_warps: int = 4
 
@@ -77,6 +80,69 @@ def _plan_kernel(bits_ref, meta_ref):
   meta_ref[...] = jnp.where(eligible, base >> 1, B.META_RAW)
 
 
+def _block_meta(x, y):
+  """x, y: int32 [64, 4] (the two halves of one block) -> the block's metadata byte."""
+  ex, ey = (x >> 7) & 0xFF, (y >> 7) & 0xFF
+  lo = jnp.minimum(jnp.min(jnp.min(ex, axis=0)), jnp.min(jnp.min(ey, axis=0)))
+  hi = jnp.maximum(jnp.max(jnp.max(ex, axis=0)), jnp.max(jnp.max(ey, axis=0)))
+  base = lo & ~1
+  eligible = (hi - base < B.EXPONENT_WINDOW).astype(jnp.int32)
+  return eligible * (base >> 1) + (1 - eligible) * B.META_RAW
+
+
+def _block_units(mb):
+  # Integer arithmetic: Triton's lowering of nested scalar selects mixes i1 and i32.
+  is_compressed = (mb <= B.MAX_HALF_BASE).astype(jnp.int32)
+  is_raw = (mb == B.META_RAW).astype(jnp.int32)
+  return is_compressed * B.COMPRESSED_UNITS + is_raw * B.RAW_UNITS
+
+
+def _load_block(bits_ref, row0):
+  """Rows row0.. of a uint16 [*, 4] ref holding one block -> x, y int32 [64, 4]."""
+  x = bits_ref[pl.ds(row0, 64, stride=2), :].astype(jnp.int32)
+  y = bits_ref[pl.ds(row0 + 1, 64, stride=2), :].astype(jnp.int32)
+  return x, y
+
+
+def _store_block(payload_ref, unit, mb, x, y):
+  """Write one block (metadata byte mb) at `unit` of the uint8 [*, 4] payload."""
+  row = unit * ROWS_PER_UNIT
+
+  @pl.when(mb != B.META_ABSENT)
+  def _low():
+    payload_ref[pl.ds(row, 64, stride=2), :] = (x & 0xFF).astype(jnp.uint8)
+    payload_ref[pl.ds(row + 1, 64, stride=2), :] = (y & 0xFF).astype(jnp.uint8)
+
+  @pl.when(mb <= B.MAX_HALF_BASE)
+  def _codes():
+    hx, hy = x >> 8, y >> 8
+    code = (hx & 0x80) | (((hy & 0x7F) - mb) << 4) | ((hy >> 4) & 0x08) | ((hx & 0x7F) - mb)
+    payload_ref[pl.ds(row + LOW_ROWS, 64), :] = code.astype(jnp.uint8)
+
+  @pl.when(mb == B.META_RAW)
+  def _high():
+    payload_ref[pl.ds(row + LOW_ROWS, 64, stride=2), :] = (x >> 8).astype(jnp.uint8)
+    payload_ref[pl.ds(row + LOW_ROWS + 1, 64, stride=2), :] = (y >> 8).astype(jnp.uint8)
+
+
+WINDOW_ROWS = B.BLOCKS_PER_GROUP * B.RAW_UNITS * ROWS_PER_UNIT  # a group's worst case, 4 KiB
+
+
+def _zero_tail(payload_ref, g, total_units):
+  """Zero group g's worst-case window where it lies past the data.
+
+  The windows tile the payload, so the tail is zeroed exactly once, without
+  a full fill (which cost more than the kernels themselves, measured).
+  """
+  window = g * WINDOW_ROWS
+  rows = window + jax.lax.broadcasted_iota(jnp.int32, (WINDOW_ROWS, 4), 0)
+  pltr.store(
+      payload_ref.at[pl.ds(window, WINDOW_ROWS), :],
+      jnp.zeros((WINDOW_ROWS, 4), jnp.uint8),
+      mask=rows >= total_units * ROWS_PER_UNIT,
+  )
+
+
 def _pack_kernel(meta_ref, offset_ref, total_ref, bits_ref, payload_ref):
   # meta_ref:    int32 [groups * 4] (whole array), per-block byte
   # offset_ref:  int32 [groups] (whole array), group offset in units
@@ -84,43 +150,100 @@ def _pack_kernel(meta_ref, offset_ref, total_ref, bits_ref, payload_ref):
   # bits_ref:    uint16 [4 * 128, 4], this group's four blocks (block k at rows 128k..)
   # payload_ref: uint8 [groups * 16 * 64, 4] (whole array)
   g = pl.program_id(0)
-  # Zero this group's worst-case window [16 g, 16 g + 16) units where it lies past the
-  # data: the windows tile the payload, so the tail is zeroed once, with no full fill.
-  window = g * B.BLOCKS_PER_GROUP * B.RAW_UNITS * ROWS_PER_UNIT
-  window_rows = B.BLOCKS_PER_GROUP * B.RAW_UNITS * ROWS_PER_UNIT
-  rows = window + jax.lax.broadcasted_iota(jnp.int32, (window_rows, 4), 0)
-  pltr.store(
-      payload_ref.at[pl.ds(window, window_rows), :],
-      jnp.zeros((window_rows, 4), jnp.uint8),
-      mask=rows >= total_ref[0] * ROWS_PER_UNIT,
-  )
+  _zero_tail(payload_ref, g, total_ref[0])
   unit = offset_ref[g]
   for k in range(B.BLOCKS_PER_GROUP):
     mb = meta_ref[g * B.BLOCKS_PER_GROUP + k]
-    row = unit * ROWS_PER_UNIT
-    x = bits_ref[pl.ds(k * LOW_ROWS, 64, stride=2), :].astype(jnp.int32)  # [64, 4]
-    y = bits_ref[pl.ds(k * LOW_ROWS + 1, 64, stride=2), :].astype(jnp.int32)
+    x, y = _load_block(bits_ref, k * LOW_ROWS)
+    _store_block(payload_ref, unit, mb, x, y)
+    unit = unit + _block_units(mb)
 
-    @pl.when(mb != B.META_ABSENT)
-    def _low():
-      payload_ref[pl.ds(row, 64, stride=2), :] = (x & 0xFF).astype(jnp.uint8)
-      payload_ref[pl.ds(row + 1, 64, stride=2), :] = (y & 0xFF).astype(jnp.uint8)
 
-    @pl.when(mb <= B.MAX_HALF_BASE)
-    def _codes():
-      hx, hy = x >> 8, y >> 8
-      code = (hx & 0x80) | (((hy & 0x7F) - mb) << 4) | ((hy >> 4) & 0x08) | ((hx & 0x7F) - mb)
-      payload_ref[pl.ds(row + LOW_ROWS, 64), :] = code.astype(jnp.uint8)
+FLAG_AGGREGATE, FLAG_INCLUSIVE = 1, 2  # look-back states; value << 2 | flag, 0 = not yet
 
-    @pl.when(mb == B.META_RAW)
-    def _high():
-      payload_ref[pl.ds(row + LOW_ROWS, 64, stride=2), :] = (x >> 8).astype(jnp.uint8)
-      payload_ref[pl.ds(row + LOW_ROWS + 1, 64, stride=2), :] = (y >> 8).astype(jnp.uint8)
 
-    # Sizes as integer arithmetic: Triton's lowering of nested scalar selects mixes i1 and i32.
-    is_compressed = (mb <= B.MAX_HALF_BASE).astype(jnp.int32)
-    is_raw = (mb == B.META_RAW).astype(jnp.int32)
-    unit = unit + is_compressed * B.COMPRESSED_UNITS + is_raw * B.RAW_UNITS
+def _single_pass_kernel(bits_ref, _ticket_in, _state_in, payload_ref, meta_ref, offset_ref, ticket_ref, state_ref,
+                        *, num_blocks: int):
+  # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array)
+  # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
+  # meta_ref:    int32 [groups * 4], offset_ref: int32 [groups] (written at this program's group)
+  # ticket_ref:  int32 [1], state_ref: int32 [groups] (zero on entry, aliased in and out)
+  #
+  # Decoupled look-back: groups are taken in ticket order (a ticket holder only waits on
+  # holders of smaller tickets, which are already running: no deadlock). Each group posts
+  # its size, then sums predecessors' sizes back to the first posted inclusive prefix.
+  g = pltr.atomic_add(ticket_ref, (jnp.int32(0),), jnp.int32(1))
+  blocks, metas, size = [], [], jnp.int32(0)
+  for k in range(B.BLOCKS_PER_GROUP):
+    x, y = _load_block(bits_ref, (g * B.BLOCKS_PER_GROUP + k) * LOW_ROWS)
+    present = (g * B.BLOCKS_PER_GROUP + k < num_blocks).astype(jnp.int32)
+    mb = present * _block_meta(x, y) + (1 - present) * B.META_ABSENT
+    blocks.append((x, y))
+    metas.append(mb)
+    size = size + _block_units(mb)
+  first = (g == 0).astype(jnp.int32)
+  posted = (size << 2) | (FLAG_AGGREGATE + first)  # group 0's size is its inclusive prefix
+  pltr.atomic_add(state_ref, (g,), posted)  # from 0 (adds: interpret mode has no exchange)
+
+  def cond(carry):
+    return carry[2] == 0
+
+  def body(carry):
+    j, excl, _ = carry
+    s = pltr.atomic_add(state_ref, (j,), j * 0)  # an atomic read (a traced 0: no loop consts)
+    flag = s & 3
+    ready = (flag != 0).astype(jnp.int32)
+    return j - ready, excl + ready * (s >> 2), (flag == FLAG_INCLUSIVE).astype(jnp.int32)
+
+  _, excl, _ = jax.lax.while_loop(cond, body, (jnp.maximum(g - 1, 0), jnp.int32(0), first))
+  pltr.atomic_add(state_ref, (g,), (((excl + size) << 2) | FLAG_INCLUSIVE) - posted)
+  offset_ref[g] = excl
+  unit = excl
+  for k, ((x, y), mb) in enumerate(zip(blocks, metas)):
+    meta_ref[g * B.BLOCKS_PER_GROUP + k] = mb
+    _store_block(payload_ref, unit, mb, x, y)
+    unit = unit + _block_units(mb)
+
+
+def _zero_kernel(total_ref, _payload_in_ref, payload_ref):
+  # total_ref: int32 [1]; payload_ref: uint8 [groups * 16 * 64, 4] (aliased in and out)
+  _zero_tail(payload_ref, pl.program_id(0), total_ref[0])
+
+
+def _single_pass(bits_rows, num_blocks: int, config, interpret):
+  groups = bits_rows.shape[0] // (B.BLOCKS_PER_GROUP * LOW_ROWS)
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  params = pltr.CompilerParams(num_warps=config.num_warps)
+  payload, meta, offsets, _, state = pl.pallas_call(
+      functools.partial(_single_pass_kernel, num_blocks=num_blocks),
+      grid=(groups,),
+      in_specs=[any_spec] * 3,  # bits, ticket, look-back state
+      out_specs=[any_spec] * 5,  # payload, meta bytes, group offsets, ticket, state
+      out_shape=[
+          jax.ShapeDtypeStruct((groups * WINDOW_ROWS, 4), jnp.uint8),
+          jax.ShapeDtypeStruct((groups * B.BLOCKS_PER_GROUP,), jnp.int32),
+          jax.ShapeDtypeStruct((groups,), jnp.int32),
+          jax.ShapeDtypeStruct((1,), jnp.int32),
+          jax.ShapeDtypeStruct((groups,), jnp.int32),
+      ],
+      input_output_aliases={1: 3, 2: 4},
+      interpret=interpret,
+      compiler_params=params,
+      name="zipfusion_compress_single_pass",
+  )(bits_rows, jnp.zeros((1,), jnp.int32), jnp.zeros((groups,), jnp.int32))
+  total = (state[-1:] >> 2).astype(jnp.int32)
+  payload = pl.pallas_call(
+      _zero_kernel,
+      grid=(groups,),
+      in_specs=[any_spec, any_spec],  # units in use, payload in
+      out_specs=any_spec,
+      out_shape=jax.ShapeDtypeStruct(payload.shape, jnp.uint8),
+      input_output_aliases={1: 0},
+      interpret=interpret,
+      compiler_params=params,
+      name="zipfusion_compress_zero_tail",
+  )(total, payload)
+  return payload, meta, offsets, total[0]
 
 
 def _plan(bits2d, config: CompressConfig, interpret: bool):
@@ -162,13 +285,17 @@ def _pack(meta, group_offsets, total_units, bits_rows, config, interpret):
 def _compress_bits(bits2d: jax.Array, *, num_blocks: int, config: CompressConfig, interpret: bool):
   """bits2d: uint16 [N, 512], N a multiple of 4 * plan_blocks; rows >= num_blocks are padding."""
   n = bits2d.shape[0]
+  groups = -(-num_blocks // B.BLOCKS_PER_GROUP)
+  if config.single_pass:
+    payload_rows, meta, offsets, total_units = _single_pass(bits2d.reshape(n * LOW_ROWS, 4), num_blocks, config, interpret)
+    group_meta = codec.make_group_meta(offsets, meta.reshape(-1, B.BLOCKS_PER_GROUP))
+    return payload_rows.reshape(-1)[: num_blocks * B.ROW_BYTES], group_meta[:groups], total_units
   meta = _plan(bits2d, config, interpret)
   if n > num_blocks:  # padding rows become absent slots
     meta = jnp.where(jnp.arange(n) < num_blocks, meta, B.META_ABSENT)
   meta_bytes = meta.reshape(-1, B.BLOCKS_PER_GROUP)
   group_offsets, group_meta, total_units = codec.pack_groups(meta_bytes)
   payload_rows = _pack(meta, group_offsets, total_units.reshape(1), bits2d.reshape(n * LOW_ROWS, 4), config, interpret)
-  groups = -(-num_blocks // B.BLOCKS_PER_GROUP)
   payload = payload_rows.reshape(-1)[: num_blocks * B.ROW_BYTES]
   return payload, group_meta[:groups], total_units
 

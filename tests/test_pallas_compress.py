@@ -38,7 +38,7 @@ def test_bytes_equal_reference_for_any_block_count(n):
 
 @pytest.mark.parametrize(
     "config",
-    [CompressConfig(plan_blocks=4), CompressConfig(plan_blocks=64, num_warps=8)],
+    [CompressConfig(num_warps=8), CompressConfig(single_pass=False), CompressConfig(single_pass=False, plan_blocks=4)],
 )
 def test_retuned_configs_give_the_same_bytes(config):
   x = _mixed_blocks(200, seed=7)
@@ -66,7 +66,7 @@ H200 = AbstractMesh(
 )
 
 
-@pytest.mark.parametrize("config", [CompressConfig(), CompressConfig(plan_blocks=64, num_warps=8)])
+@pytest.mark.parametrize("config", [CompressConfig(), CompressConfig(single_pass=False, plan_blocks=64)])
 def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config):
   def f(x):
     c = compress_pallas(x, config=config, interpret=False)
@@ -78,4 +78,6 @@ def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config):
     ).as_text()
   calls = re.findall(r"stablehlo.custom_call @([\w$.]+)", text)
   assert calls.count("__gpu$xla.gpu.triton") == 2, calls
-  assert "zipfusion_compress_plan" in text and "zipfusion_compress_pack" in text
+  names = ("single_pass", "zero_tail") if config.single_pass else ("plan", "pack")
+  for name in names:
+    assert f"zipfusion_compress_{name}" in text
