@@ -70,10 +70,10 @@ def main():
   x = synthetic_blocks(jax.random.key(0), n)
   input_bytes = n * 1024
   variants = {
-      "single_pass_w4": CompressConfig(),
-      "single_pass_w2": CompressConfig(num_warps=2),
-      "single_pass_w8": CompressConfig(num_warps=8),
-      "two_pass_plan16_w4": CompressConfig(single_pass=False),
+      "single_pass_w4": CompressConfig(single_pass=True),
+      "single_pass_w2": CompressConfig(single_pass=True, num_warps=2),
+      "single_pass_w8": CompressConfig(single_pass=True, num_warps=8),
+      "two_pass_plan16_w4": CompressConfig(),
       "two_pass_plan64_w8": CompressConfig(single_pass=False, plan_blocks=64, num_warps=8),
   }
   c_ref_small = zf.compress(x[:4096])

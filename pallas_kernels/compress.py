@@ -1,13 +1,15 @@
 """Pallas compression kernel: BF16 blocks -> the 12-bit format of docs/FORMAT.md.
 
-Default (`single_pass=True`): one kernel reads each group of four blocks once,
+`single_pass=True`: one kernel reads each group of four blocks once,
 decides every block's rule (b/2 or raw), finds the group's payload offset by a
 decoupled look-back over earlier groups' posted sizes (a ticket counter hands
 out groups in launch order, so waiting cannot deadlock), and writes low bytes,
 code bytes or raw high bytes there; a second, write-only kernel zeroes the
 unused tail of the worst-case payload.
 
-Fallback (`single_pass=False`): `_plan_kernel` decides the block rules, XLA
+Default (`single_pass=False`, measured faster: the look-back chain at one
+group per program serialises, 5.6 ms vs 0.83 ms for 1 GiB on the H200):
+`_plan_kernel` decides the block rules, XLA
 computes group offsets with a cumsum, `_pack_kernel` reads the blocks again
 and writes them (tail zeroing included).
 
@@ -55,7 +57,7 @@ class CompressConfig:
     num_warps: Triton warps per program.
   """
 
-  single_pass: bool = True
+  single_pass: bool = False
   plan_blocks: int = 16
   num_warps: int = 4
 
@@ -67,7 +69,8 @@ class CompressConfig:
 
 
 def heuristic_config(num_blocks: int) -> CompressConfig:
-  """Default config for `num_blocks` blocks (the best variant of benchmarks/compress.py)."""
+  """Default config for `num_blocks` blocks: the best variant of benchmarks/compress.py
+  on the H200 (two-pass, 16 blocks per plan program, 4 warps; 1 GiB in 835 us)."""
   del num_blocks
   return CompressConfig()
 

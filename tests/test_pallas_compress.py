@@ -38,7 +38,7 @@ def test_bytes_equal_reference_for_any_block_count(n):
 
 @pytest.mark.parametrize(
     "config",
-    [CompressConfig(num_warps=8), CompressConfig(single_pass=False), CompressConfig(single_pass=False, plan_blocks=4)],
+    [CompressConfig(single_pass=True), CompressConfig(single_pass=True, num_warps=8), CompressConfig(plan_blocks=4)],
 )
 def test_retuned_configs_give_the_same_bytes(config):
   x = _mixed_blocks(200, seed=7)
@@ -66,7 +66,7 @@ H200 = AbstractMesh(
 )
 
 
-@pytest.mark.parametrize("config", [CompressConfig(), CompressConfig(single_pass=False, plan_blocks=64)])
+@pytest.mark.parametrize("config", [CompressConfig(), CompressConfig(single_pass=True)])
 def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config):
   def f(x):
     c = compress_pallas(x, config=config, interpret=False)
