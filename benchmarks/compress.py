@@ -70,9 +70,11 @@ def main():
   x = synthetic_blocks(jax.random.key(0), n)
   input_bytes = n * 1024
   variants = {
-      "single_pass_w4": CompressConfig(single_pass=True),
-      "single_pass_w2": CompressConfig(single_pass=True, num_warps=2),
-      "single_pass_w8": CompressConfig(single_pass=True, num_warps=8),
+      "single_pass_tile1_w4": CompressConfig(single_pass=True, tile_groups=1),
+      "single_pass_tile16_w4": CompressConfig(single_pass=True, tile_groups=16),
+      "single_pass_tile32_w4": CompressConfig(single_pass=True, tile_groups=32),
+      "single_pass_tile64_w4": CompressConfig(single_pass=True, tile_groups=64),
+      "single_pass_tile32_w8": CompressConfig(single_pass=True, tile_groups=32, num_warps=8),
       "two_pass_plan16_w4": CompressConfig(),
       "two_pass_plan64_w8": CompressConfig(single_pass=False, plan_blocks=64, num_warps=8),
   }

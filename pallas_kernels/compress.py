@@ -53,17 +53,21 @@ class CompressConfig:
   Attributes:
     single_pass: one kernel that reads the input once and places groups by a
       decoupled look-back; False runs plan (exponents) then pack (reads again).
+    tile_groups: groups (of 4 blocks) per program of the single-pass kernel (power of two).
     plan_blocks: blocks per program of the plan kernel (power of two).
     num_warps: Triton warps per program.
   """
 
   single_pass: bool = False
+  tile_groups: int = 16
   plan_blocks: int = 16
   num_warps: int = 4
 
   def __post_init__(self):
-    if self.plan_blocks <= 0 or self.plan_blocks & (self.plan_blocks - 1):
-      raise ValueError(f"plan_blocks={self.plan_blocks} must be a power of two")
+    for name in ("plan_blocks", "tile_groups"):
+      v = getattr(self, name)
+      if v <= 0 or v & (v - 1):
+        raise ValueError(f"{name}={v} must be a power of two")
     if self.num_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
 
@@ -166,27 +170,33 @@ FLAG_AGGREGATE, FLAG_INCLUSIVE = 1, 2  # look-back states; value << 2 | flag, 0 
 
 
 def _single_pass_kernel(bits_ref, _ticket_in, _state_in, payload_ref, meta_ref, offset_ref, ticket_ref, state_ref,
-                        *, num_blocks: int):
+                        *, num_blocks: int, tile_groups: int):
   # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array)
   # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
-  # meta_ref:    int32 [groups * 4], offset_ref: int32 [groups] (written at this program's group)
-  # ticket_ref:  int32 [1], state_ref: int32 [groups] (zero on entry, aliased in and out)
+  # meta_ref:    int32 [groups * 4], offset_ref: int32 [groups] (written for this tile's groups)
+  # ticket_ref:  int32 [1], state_ref: int32 [tiles] (zero on entry, aliased in and out)
   #
-  # Decoupled look-back: groups are taken in ticket order (a ticket holder only waits on
-  # holders of smaller tickets, which are already running: no deadlock). Each group posts
-  # its size, then sums predecessors' sizes back to the first posted inclusive prefix.
-  g = pltr.atomic_add(ticket_ref, (jnp.int32(0),), jnp.int32(1))
-  blocks, metas, size = [], [], jnp.int32(0)
-  for k in range(B.BLOCKS_PER_GROUP):
-    x, y = _load_block(bits_ref, (g * B.BLOCKS_PER_GROUP + k) * LOW_ROWS)
-    present = (g * B.BLOCKS_PER_GROUP + k < num_blocks).astype(jnp.int32)
-    mb = present * _block_meta(x, y) + (1 - present) * B.META_ABSENT
-    blocks.append((x, y))
-    metas.append(mb)
-    size = size + _block_units(mb)
-  first = (g == 0).astype(jnp.int32)
-  posted = (size << 2) | (FLAG_AGGREGATE + first)  # group 0's size is its inclusive prefix
-  pltr.atomic_add(state_ref, (g,), posted)  # from 0 (adds: interpret mode has no exchange)
+  # Decoupled look-back over tiles of `tile_groups` groups: tiles are taken in ticket order (a
+  # ticket holder only waits on holders of smaller tickets, which are already running: no
+  # deadlock). A tile reads its blocks and posts its size, sums predecessors' sizes back to
+  # the first posted inclusive prefix, then reads its blocks again (from L2) and writes them.
+  t = pltr.atomic_add(ticket_ref, (jnp.int32(0),), jnp.int32(1))
+  g0 = t * tile_groups
+
+  def measure(i, size):
+    for k in range(B.BLOCKS_PER_GROUP):
+      blk = (g0 + i) * B.BLOCKS_PER_GROUP + k
+      x, y = _load_block(bits_ref, blk * LOW_ROWS)
+      present = (blk < num_blocks).astype(jnp.int32)
+      mb = present * _block_meta(x, y) + (1 - present) * B.META_ABSENT
+      meta_ref[blk] = mb
+      size = size + _block_units(mb)
+    return size
+
+  size = jax.lax.fori_loop(0, tile_groups, measure, t * 0)
+  first = (t == 0).astype(jnp.int32)
+  posted = (size << 2) | (FLAG_AGGREGATE + first)  # tile 0's size is its inclusive prefix
+  pltr.atomic_add(state_ref, (t,), posted)  # from 0 (adds: interpret mode has no exchange)
 
   def cond(carry):
     return carry[2] == 0
@@ -198,14 +208,20 @@ def _single_pass_kernel(bits_ref, _ticket_in, _state_in, payload_ref, meta_ref, 
     ready = (flag != 0).astype(jnp.int32)
     return j - ready, excl + ready * (s >> 2), (flag == FLAG_INCLUSIVE).astype(jnp.int32)
 
-  _, excl, _ = jax.lax.while_loop(cond, body, (jnp.maximum(g - 1, 0), jnp.int32(0), first))
-  pltr.atomic_add(state_ref, (g,), (((excl + size) << 2) | FLAG_INCLUSIVE) - posted)
-  offset_ref[g] = excl
-  unit = excl
-  for k, ((x, y), mb) in enumerate(zip(blocks, metas)):
-    meta_ref[g * B.BLOCKS_PER_GROUP + k] = mb
-    _store_block(payload_ref, unit, mb, x, y)
-    unit = unit + _block_units(mb)
+  _, excl, _ = jax.lax.while_loop(cond, body, (jnp.maximum(t - 1, 0), t * 0, first))
+  pltr.atomic_add(state_ref, (t,), (((excl + size) << 2) | FLAG_INCLUSIVE) - posted)
+
+  def place(i, unit):
+    offset_ref[g0 + i] = unit
+    for k in range(B.BLOCKS_PER_GROUP):
+      blk = (g0 + i) * B.BLOCKS_PER_GROUP + k
+      mb = meta_ref[blk]
+      x, y = _load_block(bits_ref, blk * LOW_ROWS)
+      _store_block(payload_ref, unit, mb, x, y)
+      unit = unit + _block_units(mb)
+    return unit
+
+  jax.lax.fori_loop(0, tile_groups, place, excl)
 
 
 def _zero_kernel(total_ref, _payload_in_ref, payload_ref):
@@ -215,11 +231,12 @@ def _zero_kernel(total_ref, _payload_in_ref, payload_ref):
 
 def _single_pass(bits_rows, num_blocks: int, config, interpret):
   groups = bits_rows.shape[0] // (B.BLOCKS_PER_GROUP * LOW_ROWS)
+  tiles = groups // config.tile_groups
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   params = pltr.CompilerParams(num_warps=config.num_warps)
   payload, meta, offsets, _, state = pl.pallas_call(
-      functools.partial(_single_pass_kernel, num_blocks=num_blocks),
-      grid=(groups,),
+      functools.partial(_single_pass_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups),
+      grid=(tiles,),
       in_specs=[any_spec] * 3,  # bits, ticket, look-back state
       out_specs=[any_spec] * 5,  # payload, meta bytes, group offsets, ticket, state
       out_shape=[
@@ -227,13 +244,13 @@ def _single_pass(bits_rows, num_blocks: int, config, interpret):
           jax.ShapeDtypeStruct((groups * B.BLOCKS_PER_GROUP,), jnp.int32),
           jax.ShapeDtypeStruct((groups,), jnp.int32),
           jax.ShapeDtypeStruct((1,), jnp.int32),
-          jax.ShapeDtypeStruct((groups,), jnp.int32),
+          jax.ShapeDtypeStruct((tiles,), jnp.int32),
       ],
       input_output_aliases={1: 3, 2: 4},
       interpret=interpret,
       compiler_params=params,
       name="zipfusion_compress_single_pass",
-  )(bits_rows, jnp.zeros((1,), jnp.int32), jnp.zeros((groups,), jnp.int32))
+  )(bits_rows, jnp.zeros((1,), jnp.int32), jnp.zeros((tiles,), jnp.int32))
   total = (state[-1:] >> 2).astype(jnp.int32)
   payload = pl.pallas_call(
       _zero_kernel,
@@ -316,7 +333,7 @@ def compress_pallas(x, *, config: CompressConfig | None = None, interpret: bool 
   bits = B.to_bits(x).reshape(-1, B.VALUES_PER_BLOCK)
   n = bits.shape[0]
   config = config or heuristic_config(n)
-  quantum = B.BLOCKS_PER_GROUP * config.plan_blocks
+  quantum = B.BLOCKS_PER_GROUP * max(config.plan_blocks, config.tile_groups)
   padded = -(-n // quantum) * quantum
   if padded != n:
     bits = jnp.pad(bits, ((0, padded - n), (0, 0)))

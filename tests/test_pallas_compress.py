@@ -38,7 +38,7 @@ def test_bytes_equal_reference_for_any_block_count(n):
 
 @pytest.mark.parametrize(
     "config",
-    [CompressConfig(single_pass=True), CompressConfig(single_pass=True, num_warps=8), CompressConfig(plan_blocks=4)],
+    [CompressConfig(single_pass=True), CompressConfig(single_pass=True, tile_groups=4), CompressConfig(plan_blocks=4)],
 )
 def test_retuned_configs_give_the_same_bytes(config):
   x = _mixed_blocks(200, seed=7)
@@ -55,6 +55,8 @@ def test_batch_shape_is_kept():
 def test_config_validation_and_heuristic():
   with pytest.raises(ValueError, match="power of two"):
     CompressConfig(plan_blocks=12)
+  with pytest.raises(ValueError, match="tile_groups"):
+    CompressConfig(tile_groups=3)
   with pytest.raises(ValueError, match="num_warps"):
     CompressConfig(num_warps=3)
   assert heuristic_config(1000) == CompressConfig()
