@@ -1,17 +1,17 @@
 """Pallas compression kernel: BF16 blocks -> the 12-bit format of docs/FORMAT.md.
 
-`single_pass=True`: one kernel reads each group of four blocks once,
-decides every block's rule (b/2 or raw), finds the group's payload offset by a
-decoupled look-back over earlier groups' posted sizes (a ticket counter hands
-out groups in launch order, so waiting cannot deadlock), and writes low bytes,
-code bytes or raw high bytes there; a second, write-only kernel zeroes the
-unused tail of the worst-case payload.
+Default (`single_pass=False`): `_plan_kernel` decides each block's rule (b/2
+or raw), XLA computes group offsets with a cumsum, and `_pack_kernel` reads the
+blocks again and writes low bytes, code bytes or raw high bytes at the group's
+offset, zeroing the unused tail of the worst-case payload as it goes.
 
-Default (`single_pass=False`, measured faster: the look-back chain at one
-group per program serialises, 5.6 ms vs 0.83 ms for 1 GiB on the H200):
-`_plan_kernel` decides the block rules, XLA
-computes group offsets with a cumsum, `_pack_kernel` reads the blocks again
-and writes them (tail zeroing included).
+`single_pass=True`: one kernel per tile of `tile_groups` groups reads its
+blocks from HBM once, posts the tile's size, finds its payload offset by a
+decoupled look-back over earlier tiles (a ticket counter hands out tiles in
+launch order, so waiting cannot deadlock), then re-reads the blocks (L2) and
+writes them; a write-only kernel zeroes the tail. Exact, but measured slower
+on the H200 (1 GiB: 5.9 ms at one group per tile, 1.95 ms at 16, vs 0.83 ms
+two-pass), so it is not the default.
 
 Backend: Pallas Triton. Placement of variable-size blocks needs scalar
 address arithmetic and strided/masked stores, which the Triton lowering
@@ -74,17 +74,14 @@ class CompressConfig:
 
 def heuristic_config(num_blocks: int) -> CompressConfig:
   """Default config for `num_blocks` blocks: the best variant of benchmarks/compress.py
-  on the H200 (two-pass, 16 blocks per plan program, 4 warps; 1 GiB in 835 us)."""
+  on the H200 (two-pass, 16 blocks per plan program, 4 warps; 1 GiB in 834 us)."""
   del num_blocks
   return CompressConfig()
 
 
 def _plan_kernel(bits_ref, meta_ref):
   # bits_ref: uint16 [plan_blocks, 512]; meta_ref: int32 [plan_blocks]
-  e = (bits_ref[...].astype(jnp.int32) >> 7) & 0xFF
-  base = jnp.min(e, axis=1) & ~1
-  eligible = jnp.max(e, axis=1) - base < B.EXPONENT_WINDOW
-  meta_ref[...] = jnp.where(eligible, base >> 1, B.META_RAW)
+  meta_ref[...] = B.block_meta_byte(*B.block_half_base(bits_ref[...]))  # the reference rule, in-kernel
 
 
 def _block_meta(x, y):
@@ -283,7 +280,6 @@ def _plan(bits2d, config: CompressConfig, interpret: bool):
 
 def _pack(meta, group_offsets, total_units, bits_rows, config, interpret):
   groups = group_offsets.shape[0]
-  payload_rows = groups * B.BLOCKS_PER_GROUP * B.RAW_UNITS * ROWS_PER_UNIT
   return pl.pallas_call(
       _pack_kernel,
       grid=(groups,),
@@ -294,7 +290,7 @@ def _pack(meta, group_offsets, total_units, bits_rows, config, interpret):
           pl.BlockSpec((B.BLOCKS_PER_GROUP * LOW_ROWS, 4), lambda g: (g, 0)),  # bits
       ],
       out_specs=pl.BlockSpec(memory_space=pl.ANY),  # payload, written whole
-      out_shape=jax.ShapeDtypeStruct((payload_rows, 4), jnp.uint8),
+      out_shape=jax.ShapeDtypeStruct((groups * WINDOW_ROWS, 4), jnp.uint8),
       interpret=interpret,
       compiler_params=pltr.CompilerParams(num_warps=config.num_warps),
       name="zipfusion_compress_pack",
@@ -303,7 +299,7 @@ def _pack(meta, group_offsets, total_units, bits_rows, config, interpret):
 
 @functools.partial(jax.jit, static_argnames=("num_blocks", "config", "interpret"))
 def _compress_bits(bits2d: jax.Array, *, num_blocks: int, config: CompressConfig, interpret: bool):
-  """bits2d: uint16 [N, 512], N a multiple of 4 * plan_blocks; rows >= num_blocks are padding."""
+  """bits2d: uint16 [N, 512], N a multiple of 4 * max(plan_blocks, tile_groups); rows >= num_blocks are padding."""
   n = bits2d.shape[0]
   groups = -(-num_blocks // B.BLOCKS_PER_GROUP)
   if config.single_pass:

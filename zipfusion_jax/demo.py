@@ -62,8 +62,7 @@ def main(argv=None) -> int:
 
   ok = True
   for kind, x in (("k", k), ("v", v)):
-    pages = args.tokens // layout.PAGE_SIZE
-    paged = x[:, :, : pages * layout.PAGE_SIZE].reshape(LAYERS, KV_HEADS, pages, layout.PAGE_SIZE, HEAD_DIM)
+    paged = layout.split_pages(x)  # [L, H, P, 16, D]
     blocks = layout.pages_to_blocks(paged, kind)  # [L, H, P, 2, 512]
     t = time.perf_counter()
     c = zf.validate(jax.block_until_ready(zf.compress(blocks, impl=args.impl)))

@@ -63,12 +63,12 @@ def eligibility_report(x, kind: Kind) -> EligibilityReport:
     raise TypeError(f"eligibility_report expects bfloat16, got {getattr(x, 'dtype', None)}")
   if x.ndim != 4:
     raise ValueError(f"expected [layers, kv_heads, tokens, head_dim], got shape {x.shape}")
-  layers, heads, tokens, head_dim = x.shape
+  *_, tokens, head_dim = x.shape
   layout.check_head_dim(head_dim)
   pages = tokens // layout.PAGE_SIZE
   if pages == 0:
     raise ValueError(f"{tokens=} holds no complete {layout.PAGE_SIZE}-token page")
-  paged = jnp.asarray(x)[:, :, : pages * layout.PAGE_SIZE].reshape(layers, heads, pages, layout.PAGE_SIZE, head_dim)
+  paged = layout.split_pages(jnp.asarray(x))
   blocks = layout.pages_to_blocks(paged, kind)  # [L, H, P, nb, 512]
   eligible = np.asarray(_block_eligibility(B.to_bits(blocks)))
   units = np.where(eligible, B.COMPRESSED_UNITS, B.RAW_UNITS)

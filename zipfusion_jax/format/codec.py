@@ -130,16 +130,23 @@ def make_group_meta(group_offsets: jax.Array, meta_bytes: jax.Array, version: in
   return jnp.stack([word0, pack_meta_bytes(meta_bytes)], axis=-1)
 
 
+def block_unit_offsets(group_meta: jax.Array) -> jax.Array:
+  """uint32 [G, 2] -> int32 [G, 4]: offset of each block slot in the payload, in 256-byte units.
+
+  The group offset field is < 2^30, so unit offsets never wrap int32.
+  """
+  meta_bytes = unpack_meta_bytes(group_meta[:, 1])
+  group_units = (group_meta[:, 0] & B.OFFSET_MASK).astype(jnp.int32)
+  return group_units[:, None] + block_offsets_in_group(meta_bytes)
+
+
 def block_byte_offsets(group_meta: jax.Array) -> jax.Array:
   """uint32 [G, 2] -> int32 [G, 4]: byte offset of each block slot in the payload.
 
   Offsets are computed in int32, so a single payload must stay under 2 GiB;
-  callers with larger arenas index in units.
+  callers with larger arenas index in units (`block_unit_offsets`).
   """
-  meta_bytes = unpack_meta_bytes(group_meta[:, 1])
-  group_units = (group_meta[:, 0] & B.OFFSET_MASK).astype(jnp.int32)
-  units = group_units[:, None] + block_offsets_in_group(meta_bytes)
-  return units * B.UNIT_BYTES
+  return block_unit_offsets(group_meta) * B.UNIT_BYTES
 
 
 def compress_reference(x) -> CompressedBlocks:
@@ -171,13 +178,11 @@ def decompress_reference(c: CompressedBlocks) -> jax.Array:
   """
   n = c.num_blocks
   payload_units = c.payload.shape[0] // B.UNIT_BYTES
-  meta_bytes = unpack_meta_bytes(c.group_meta[:, 1])
-  group_units = (c.group_meta[:, 0] & B.OFFSET_MASK).astype(jnp.int32)  # < 2^30: no int32 wrap
-  units = group_units[:, None] + block_offsets_in_group(meta_bytes)
+  units = block_unit_offsets(c.group_meta)
   known = (c.group_meta[:, 0] >> B.VERSION_SHIFT) == B.FORMAT_VERSION
   inside = known[:, None] & (units < payload_units)
   starts = jnp.where(inside, units * B.UNIT_BYTES, c.payload.shape[0]).reshape(-1)[:n]
   index = starts[:, None] + jnp.arange(B.ROW_BYTES, dtype=jnp.int32)[None, :]
   rows = jnp.take(c.payload, index, mode="fill", fill_value=0)
-  bits = B.decode_rows(rows, meta_bytes.reshape(-1)[:n])
+  bits = B.decode_rows(rows, c.meta_bytes.reshape(-1)[:n])
   return B.from_bits(bits).reshape(*c.batch_shape, B.VALUES_PER_BLOCK)

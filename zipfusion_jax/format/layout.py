@@ -79,6 +79,16 @@ def inverse_page_permutation(kind: Kind, head_dim: int) -> np.ndarray:
   return inv
 
 
+def split_pages(x: jnp.ndarray) -> jnp.ndarray:
+  """[..., tokens, head_dim] -> [..., tokens // 16, 16, head_dim]: the complete pages.
+
+  Tail tokens of an incomplete last page are dropped (they stay raw in a cache).
+  """
+  *lead, tokens, head_dim = x.shape
+  pages = tokens // PAGE_SIZE
+  return x[..., : pages * PAGE_SIZE, :].reshape(*lead, pages, PAGE_SIZE, head_dim)
+
+
 def pages_to_blocks(pages: jnp.ndarray, kind: Kind) -> jnp.ndarray:
   """[..., 16, head_dim] -> [..., head_dim // 32, 512] in block position order."""
   head_dim = pages.shape[-1]
