@@ -50,9 +50,9 @@ def wall_us(f, *args, iterations=10):
   return statistics.median(times)
 
 
-def check_exact(x, c_kernel, c_ref_small, n_small):
-  """Kernel bytes == reference bytes on a prefix; full round trip bit-exact."""
-  small = compress_pallas(x[:n_small])
+def check_exact(x, c_kernel, c_ref_small, n_small, config):
+  """Kernel bytes (this variant's config) == reference bytes on a prefix; full round trip bit-exact."""
+  small = compress_pallas(x[:n_small], config=config)
   for a, b in zip(jax.tree.leaves(small), jax.tree.leaves(c_ref_small)):
     assert np.array_equal(np.asarray(a), np.asarray(b)), "kernel bytes differ from the reference"
   zf.validate(c_kernel)
@@ -85,7 +85,7 @@ def main():
   for name, cfg in variants.items():
     f = jax.jit(lambda a, cfg=cfg: compress_pallas(a, config=cfg))
     c = f(x)
-    check_exact(x, c, c_ref_small, 4096)
+    check_exact(x, c, c_ref_small, 4096, cfg)
     total_us, kernels = cupti_us(f, x)
     kernel_us, _ = cupti_us(f, x, skip=("broadcast", "memset", "fill"))
     rows.append({
