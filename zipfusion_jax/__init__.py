@@ -6,6 +6,8 @@ from typing import Literal
 
 from zipfusion_jax.format.codec import CompressedBlocks, compress_reference, decompress_reference
 from zipfusion_jax.format.validate import FormatError, validate
+from zipfusion_jax.paged.api import decompress_then_attend, paged_decode_attention
+from zipfusion_jax.paged.cache import PagedKVCache, paged_cache_from_dense, restore_pages
 from zipfusion_jax.telemetry import EligibilityReport, eligibility_report
 
 __version__ = "0.1.0"
@@ -48,8 +50,13 @@ __all__ = [
     "CompressedBlocks",
     "EligibilityReport",
     "FormatError",
+    "PagedKVCache",
     "compress",
     "decompress",
+    "decompress_then_attend",
     "eligibility_report",
+    "paged_cache_from_dense",
+    "paged_decode_attention",
+    "restore_pages",
     "validate",
 ]

@@ -149,6 +149,24 @@ def block_byte_offsets(group_meta: jax.Array) -> jax.Array:
   return block_unit_offsets(group_meta) * B.UNIT_BYTES
 
 
+def place_rows(rows: jax.Array, meta_byte: jax.Array, starts: jax.Array, capacity: int) -> jax.Array:
+  """Scatter each row's stored prefix into a zeroed byte payload.
+
+  Args:
+    rows: uint8 [n, 1024] from `encode_rows`.
+    meta_byte: int32 [n]; the stored prefix is `block_units(meta_byte)` units.
+    starts: int32 [n] byte offset of each block in the payload.
+    capacity: payload size in bytes.
+
+  Returns:
+    uint8 [capacity].
+  """
+  col = jnp.arange(B.ROW_BYTES, dtype=jnp.int32)
+  stored = col[None, :] < (B.block_units(meta_byte) * B.UNIT_BYTES)[:, None]
+  index = jnp.where(stored, starts[:, None] + col[None, :], capacity)
+  return jnp.zeros((capacity,), jnp.uint8).at[index.reshape(-1)].set(rows.reshape(-1), mode="drop")
+
+
 def compress_reference(x) -> CompressedBlocks:
   """Reference encoder. x: bfloat16 [..., 512] -> CompressedBlocks."""
   x = check_blocks_input(x)
@@ -161,11 +179,7 @@ def compress_reference(x) -> CompressedBlocks:
   meta_bytes = group_meta_bytes(meta_byte)
   _, group_meta, total_units = pack_groups(meta_bytes)
   starts = block_byte_offsets(group_meta).reshape(-1)[:n]
-  capacity = n * B.ROW_BYTES
-  col = jnp.arange(B.ROW_BYTES, dtype=jnp.int32)
-  stored = col[None, :] < (B.block_units(meta_byte) * B.UNIT_BYTES)[:, None]
-  index = jnp.where(stored, starts[:, None] + col[None, :], capacity)
-  payload = jnp.zeros((capacity,), jnp.uint8).at[index.reshape(-1)].set(rows.reshape(-1), mode="drop")
+  payload = place_rows(rows, meta_byte, starts, n * B.ROW_BYTES)
   return CompressedBlocks(payload, group_meta, total_units, batch_shape)
 
 

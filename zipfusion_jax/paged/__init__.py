@@ -1,0 +1,1 @@
+"""Paged KV caches over the 12-bit format and decode attention on them."""

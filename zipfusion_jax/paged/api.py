@@ -1,0 +1,73 @@
+"""Public decode-attention entry points over a `PagedKVCache`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+
+from zipfusion_jax.paged import reference
+from zipfusion_jax.paged.cache import PagedKVCache, restore_pages
+
+AttentionImpl = Literal["pallas", "reference"]
+
+
+def _resolve_impl(impl: AttentionImpl | None) -> AttentionImpl:
+  if impl is None:
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+  if impl not in ("pallas", "reference"):
+    raise ValueError(f"{impl=} must be 'pallas' or 'reference'")
+  return impl
+
+
+def paged_decode_attention(
+    q,
+    cache: PagedKVCache,
+    sm_scale: float | None = None,
+    *,
+    impl: AttentionImpl | None = None,
+    config=None,
+    return_lse: bool = False,
+    interpret: bool | None = None,
+):
+  """Decode attention of one query token per sequence over a paged cache.
+
+  Args:
+    q: bfloat16 [B, Hq, D]; Hq a multiple of the cache's KV heads (<= 8 per KV head).
+    cache: from `paged_cache_from_dense` (compressed or not).
+    sm_scale: softmax scale; default 1/sqrt(D).
+    impl: "pallas" (the fused Mosaic GPU kernel; interpreted off-GPU) or
+      "reference" (jnp). Default: "pallas" on a GPU, else "reference".
+    config: `pallas_kernels.decode_attention.DecodeConfig` or None (heuristic).
+    return_lse: also return the natural-log sum-exp float32 [B, Hq].
+    interpret: force interpret mode for "pallas" (default: off-GPU only).
+
+  Returns:
+    bfloat16 [B, Hq, D] (and float32 [B, Hq] when `return_lse`). The
+    compressed and uncompressed caches of the same K/V give bit-identical
+    outputs.
+  """
+  reference.check_query(q, cache)
+  scale = reference.default_scale(cache.head_dim, sm_scale)
+  if _resolve_impl(impl) == "reference":
+    if config is not None or interpret is not None:
+      raise TypeError("impl='reference' takes no config or interpret")
+    return reference.paged_decode_attention_reference(q, cache, scale, return_lse)
+  from pallas_kernels.decode_attention import decode_attention_pallas  # kernels sit above the format
+
+  return decode_attention_pallas(q, cache, scale, config=config, return_lse=return_lse, interpret=interpret)
+
+
+def decompress_then_attend(q, cache: PagedKVCache, sm_scale: float | None = None, *, impl: AttentionImpl | None = None, **kwargs):
+  """The lossless baseline of the paper's competitors: restore all pages to BF16, then attend.
+
+  Writes a BF16 copy of every completed page (the buffer the fused kernel never
+  materialises), then runs the uncompressed paged kernel on it.
+  """
+  if cache.compressed:
+    k_pages, v_pages = restore_pages(cache, impl="pallas" if _resolve_impl(impl) == "pallas" else "reference")
+    cache = PagedKVCache(
+        lengths=cache.lengths, page_table=cache.page_table, k_tail=cache.k_tail, v_tail=cache.v_tail,
+        k_pages=k_pages, v_pages=v_pages, compressed=False,
+    )
+  return paged_decode_attention(q, cache, sm_scale, impl=impl, **kwargs)
