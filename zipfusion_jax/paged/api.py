@@ -12,11 +12,21 @@ from zipfusion_jax.paged.cache import PagedKVCache, restore_pages
 AttentionImpl = Literal["pallas", "reference"]
 
 
+# The fused kernel is not landed yet (docs/DECODE_KERNEL.md is its design); until it is,
+# every backend runs the jnp reference and impl="pallas" says so.
+FUSED_KERNEL_AVAILABLE = False
+
+
 def _resolve_impl(impl: AttentionImpl | None) -> AttentionImpl:
   if impl is None:
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return "pallas" if FUSED_KERNEL_AVAILABLE and jax.default_backend() == "gpu" else "reference"
   if impl not in ("pallas", "reference"):
     raise ValueError(f"{impl=} must be 'pallas' or 'reference'")
+  if impl == "pallas" and not FUSED_KERNEL_AVAILABLE:
+    raise NotImplementedError(
+        "the fused Pallas decode-attention kernel is not implemented yet (design: docs/DECODE_KERNEL.md); "
+        "use impl='reference'"
+    )
   return impl
 
 
@@ -36,8 +46,8 @@ def paged_decode_attention(
     q: bfloat16 [B, Hq, D]; Hq a multiple of the cache's KV heads (<= 8 per KV head).
     cache: from `paged_cache_from_dense` (compressed or not).
     sm_scale: softmax scale; default 1/sqrt(D).
-    impl: "pallas" (the fused Mosaic GPU kernel; interpreted off-GPU) or
-      "reference" (jnp). Default: "pallas" on a GPU, else "reference".
+    impl: "pallas" (the fused Mosaic GPU kernel, once landed; raises
+      NotImplementedError until then) or "reference" (jnp, the default).
     config: `pallas_kernels.decode_attention.DecodeConfig` or None (heuristic).
     return_lse: also return the natural-log sum-exp float32 [B, Hq].
     interpret: force interpret mode for "pallas" (default: off-GPU only).
@@ -65,7 +75,7 @@ def decompress_then_attend(q, cache: PagedKVCache, sm_scale: float | None = None
   materialises), then runs the uncompressed paged kernel on it.
   """
   if cache.compressed:
-    k_pages, v_pages = restore_pages(cache, impl="pallas" if _resolve_impl(impl) == "pallas" else "reference")
+    k_pages, v_pages = restore_pages(cache, impl="reference" if _resolve_impl(impl) == "reference" else "pallas")
     cache = PagedKVCache(
         lengths=cache.lengths, page_table=cache.page_table, k_tail=cache.k_tail, v_tail=cache.v_tail,
         k_pages=k_pages, v_pages=v_pages, compressed=False,

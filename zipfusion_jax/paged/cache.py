@@ -11,9 +11,9 @@ tail page. Completed pages live in one of two stores:
 * uncompressed: BF16 pages `[Hkv, P, 16, D]`, the layout of JAX's Pallas
   paged attention.
 
-Both stores are read by the same decode-attention kernel body
-(`pallas_kernels/decode_attention.py`); the jnp restore here is the
-reference for it and the first half of decompress-then-attend.
+Both stores are meant for one decode-attention kernel body (design and
+status: docs/DECODE_KERNEL.md); the jnp restore here is the reference for
+it and the first half of decompress-then-attend.
 """
 
 from __future__ import annotations
@@ -202,16 +202,14 @@ def compress_pages(pages: jax.Array) -> tuple[jax.Array, jax.Array]:
 def restore_pages(cache: PagedKVCache, impl: str = "reference") -> tuple[jax.Array, jax.Array]:
   """Completed pages as BF16, bit-exact: (k_pages, v_pages) bfloat16 [Hkv, P, 16, D].
 
-  For a compressed cache this decodes every group, with jnp ("reference") or
-  the Pallas decompression kernel ("pallas"); an uncompressed cache returns
-  its pages.
+  For a compressed cache this decodes every group with jnp ("reference"; a
+  Pallas decompression kernel, "pallas", is not implemented yet); an
+  uncompressed cache returns its pages.
   """
   if not cache.compressed:
     return cache.k_pages, cache.v_pages
   if impl == "pallas":
-    from pallas_kernels.decompress import restore_pages_pallas  # kernels sit above the format
-
-    return restore_pages_pallas(cache.arena, cache.group_meta, cache.head_dim)
+    raise NotImplementedError("a Pallas page-decompression kernel is not implemented yet; use impl='reference'")
   if impl != "reference":
     raise ValueError(f"{impl=} must be 'reference' or 'pallas'")
   return _restore_pages(cache.arena, cache.group_meta, cache.head_dim)

@@ -1,0 +1,131 @@
+"""Decode attention at Llama-3.1-8B shapes: every available kernel timed in one run.
+
+  python -m benchmarks.attention [--shapes 32x2048,8x8192,...] [--out benchmarks/results/attention_h200.json]
+
+Per (batch, context): K/V with realistic exponent statistics (synthetic blocks,
+`benchmarks/synthetic_kv.py`; the eligible fraction is reported), the same K/V
+as a compressed and an uncompressed paged cache (shuffled page tables), each
+kernel's output checked against the jnp reference, then CUPTI kernel time
+(dispatch excluded, median of 10). Rows follow the issue's schema:
+{"kernel", "model", "batch", "context", "time_us", "bytes_read"}.
+
+Until the fused kernel lands, the ZipFusion rows are the jnp reference paths
+(`zipfusion_reference_*`, `decompress_then_attend_jnp`); the uncompressed
+peers are cuDNN (dense), JAX's Pallas Triton paged kernel and XLA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import zipfusion_jax as zf
+from benchmarks.compress import cupti_us
+from benchmarks.synthetic_kv import synthetic_blocks
+from models.configs import get_config
+from zipfusion_jax.format import layout
+
+SHAPES = ((32, 2048), (8, 8192), (64, 4096), (1, 32768), (128, 1024))
+
+
+def synthetic_kv(key, batch, context, kv_heads, head_dim):
+  """bfloat16 K, V [B, S, Hkv, D] whose 512-value page blocks have real-KV eligibility."""
+  nblocks = layout.blocks_per_page(head_dim)
+  pages = context // layout.PAGE_SIZE
+  out = []
+  for kind, sub in zip(("k", "v"), jax.random.split(key)):
+    blocks = synthetic_blocks(sub, kv_heads * batch * pages * nblocks)
+    paged = layout.blocks_to_pages(blocks.reshape(kv_heads, batch, pages, nblocks, 512), kind)
+    out.append(paged.reshape(kv_heads, batch, context, head_dim).transpose(1, 2, 0, 3))
+  return out
+
+
+def eligible_fraction(cache) -> float:
+  slots = (np.asarray(cache.group_meta[..., 1])[..., None] >> (8 * np.arange(4))) & 0xFF
+  used = slots[slots != 0xFE]
+  return float(np.mean(used <= 127))
+
+
+def baselines(q, k, v, cache_bf16, scale):
+  """Uncompressed peers: name -> jitted fn of no arguments' closure inputs."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
+
+  batch, q_heads, head_dim = q.shape
+  def cudnn(q, k, v):
+    out = jax.nn.dot_product_attention(q[:, None], k, v, scale=scale, implementation="cudnn")
+    return out[:, 0]
+
+  def xla(q, k, v):
+    out = jax.nn.dot_product_attention(q[:, None], k, v, scale=scale, implementation="xla")
+    return out[:, 0]
+
+  def paged(q, kp, vp, table, lengths):
+    return pallas_paged.paged_attention((q.astype(jnp.float32) * scale).astype(q.dtype), kp, vp, table, lengths)
+
+  table = cache_bf16.page_table
+  lengths = cache_bf16.lengths
+  peers = {"xla": (jax.jit(xla), (q, k, v))}
+  if jax.default_backend() == "gpu":  # CPU smoke runs have neither cuDNN nor a Triton GPU
+    peers["cudnn_dense"] = (jax.jit(cudnn), (q, k, v))
+    peers["pallas_paged"] = (jax.jit(paged), (q, cache_bf16.k_pages, cache_bf16.v_pages, table, lengths))
+  return peers
+
+
+def run_shape(key, cfg, batch, context):
+  k, v = synthetic_kv(key, batch, context, cfg.kv_heads, cfg.head_dim)
+  q = jax.random.normal(jax.random.fold_in(key, 1), (batch, cfg.q_heads, cfg.head_dim), jnp.bfloat16)
+  lengths = np.full(batch, context, np.int32)
+  comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
+  plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
+  scale = 1.0 / np.sqrt(cfg.head_dim)
+  ref = zf.paged_decode_attention(q, plain, impl="reference")
+  bf16_bytes = 2 * k.size * 2
+  comp_bytes = comp.arena.size + comp.group_meta.size * 4
+  fns = {
+      "zipfusion_reference_compressed": (jax.jit(lambda q, c: zf.paged_decode_attention(q, c, impl="reference")), (q, comp), comp_bytes),
+      "zipfusion_reference_uncompressed": (jax.jit(lambda q, c: zf.paged_decode_attention(q, c, impl="reference")), (q, plain), bf16_bytes),
+      "decompress_then_attend_jnp": (jax.jit(lambda q, c: zf.decompress_then_attend(q, c, impl="reference")), (q, comp), comp_bytes + 2 * bf16_bytes),
+  }
+  fns.update({name: (f, args, bf16_bytes) for name, (f, args) in baselines(q, k, v, plain, scale).items()})
+  rows = []
+  for name, (f, args, nbytes) in fns.items():
+    out = f(*args)
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+    assert err < 6e-2, f"{name}: max |out - reference| = {err}"  # bf16 peers round P and partial sums
+    t, _ = cupti_us(f, *args)
+    rows.append(dict(kernel=name, model=cfg.name, batch=batch, context=context, time_us=t, bytes_read=int(nbytes), max_abs_err=err))
+    print(f"{name:34s} B={batch:4d} S={context:6d} {t:9.1f} us  {nbytes / t / 1e6:6.2f} TB/s  err {err:.1e}", flush=True)
+  comp_out = fns["zipfusion_reference_compressed"][0](q, comp)
+  same = np.array_equal(np.asarray(comp_out).view(np.uint16), np.asarray(ref).view(np.uint16))
+  return rows, dict(batch=batch, context=context, eligible_fraction=eligible_fraction(comp), compressed_equals_uncompressed=bool(same),
+                    compression_ratio=bf16_bytes / comp_bytes)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--shapes", default=",".join(f"{b}x{s}" for b, s in SHAPES))
+  parser.add_argument("--model", default="llama3.1-8b")
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args(argv)
+  cfg = get_config(args.model)
+  rows, data = [], []
+  for i, shape in enumerate(args.shapes.split(",")):
+    batch, context = map(int, shape.split("x"))
+    r, d = run_shape(jax.random.key(i), cfg, batch, context)
+    rows += r
+    data.append(d)
+    print(d, flush=True)
+  result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(), rows=rows, data=data)
+  if args.out:
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+  main()
