@@ -97,7 +97,9 @@ def run_shape(key, cfg, batch, context):
   for name, (f, args, nbytes) in fns.items():
     out = f(*args)
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-    assert err < 6e-2, f"{name}: max |out - reference| = {err}"  # bf16 peers round P and partial sums
+    # Reference paths must be exact; bf16 peers round P and partial sums (outputs are O(1)).
+    tol = 0.0 if name.startswith(("zipfusion", "decompress")) else 0.125
+    assert err <= tol, f"{name}: max |out - reference| = {err} > {tol}"
     t, _ = cupti_us(f, *args)
     rows.append(dict(kernel=name, model=cfg.name, batch=batch, context=context, time_us=t, bytes_read=int(nbytes), max_abs_err=err))
     print(f"{name:34s} B={batch:4d} S={context:6d} {t:9.1f} us  {nbytes / t / 1e6:6.2f} TB/s  err {err:.1e}", flush=True)
