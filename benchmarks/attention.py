@@ -29,7 +29,8 @@ import zipfusion_jax as zf
 from benchmarks.compress import cupti_us
 from benchmarks.synthetic_kv import synthetic_blocks
 from models.configs import get_config
-from zipfusion_jax.format import layout
+from zipfusion_jax.format import block as B
+from zipfusion_jax.format import codec, layout
 
 SHAPES = ((32, 2048), (8, 8192), (64, 4096), (1, 32768), (128, 1024))
 
@@ -47,33 +48,30 @@ def synthetic_kv(key, batch, context, kv_heads, head_dim):
 
 
 def eligible_fraction(cache) -> float:
-  slots = (np.asarray(cache.group_meta[..., 1])[..., None] >> (8 * np.arange(4))) & 0xFF
-  used = slots[slots != 0xFE]
-  return float(np.mean(used <= 127))
+  """Fraction of stored (non-absent) blocks of a compressed cache kept in 12 bits."""
+  slots = np.asarray(codec.unpack_meta_bytes(cache.group_meta[..., 1]))
+  used = slots[slots != B.META_ABSENT]
+  return float(np.mean(used <= B.MAX_HALF_BASE))
 
 
 def baselines(q, k, v, cache_bf16, scale):
-  """Uncompressed peers: name -> jitted fn of no arguments' closure inputs."""
+  """Uncompressed peers: name -> (jitted fn, its arguments)."""
   from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
 
-  batch, q_heads, head_dim = q.shape
-  def cudnn(q, k, v):
-    out = jax.nn.dot_product_attention(q[:, None], k, v, scale=scale, implementation="cudnn")
-    return out[:, 0]
+  def dense(implementation):
+    def attend(q, k, v):
+      return jax.nn.dot_product_attention(q[:, None], k, v, scale=scale, implementation=implementation)[:, 0]
+    return jax.jit(attend)
 
-  def xla(q, k, v):
-    out = jax.nn.dot_product_attention(q[:, None], k, v, scale=scale, implementation="xla")
-    return out[:, 0]
-
-  def paged(q, kp, vp, table, lengths):
+  def paged(q, kp, vp, table, lengths):  # this kernel applies no softmax scale: pre-scale q
     return pallas_paged.paged_attention((q.astype(jnp.float32) * scale).astype(q.dtype), kp, vp, table, lengths)
 
-  table = cache_bf16.page_table
-  lengths = cache_bf16.lengths
-  peers = {"xla": (jax.jit(xla), (q, k, v))}
+  peers = {"xla": (dense("xla"), (q, k, v))}
   if jax.default_backend() == "gpu":  # CPU smoke runs have neither cuDNN nor a Triton GPU
-    peers["cudnn_dense"] = (jax.jit(cudnn), (q, k, v))
-    peers["pallas_paged"] = (jax.jit(paged), (q, cache_bf16.k_pages, cache_bf16.v_pages, table, lengths))
+    peers["cudnn_dense"] = (dense("cudnn"), (q, k, v))
+    peers["pallas_paged"] = (
+        jax.jit(paged), (q, cache_bf16.k_pages, cache_bf16.v_pages, cache_bf16.page_table, cache_bf16.lengths)
+    )
   return peers
 
 
@@ -87,15 +85,16 @@ def run_shape(key, cfg, batch, context):
   ref = zf.paged_decode_attention(q, plain, impl="reference")
   bf16_bytes = 2 * k.size * 2
   comp_bytes = comp.arena.size + comp.group_meta.size * 4
+  reference = jax.jit(lambda q, c: zf.paged_decode_attention(q, c, impl="reference"))
   fns = {
-      "zipfusion_reference_compressed": (jax.jit(lambda q, c: zf.paged_decode_attention(q, c, impl="reference")), (q, comp), comp_bytes),
-      "zipfusion_reference_uncompressed": (jax.jit(lambda q, c: zf.paged_decode_attention(q, c, impl="reference")), (q, plain), bf16_bytes),
+      "zipfusion_reference_compressed": (reference, (q, comp), comp_bytes),
+      "zipfusion_reference_uncompressed": (reference, (q, plain), bf16_bytes),
       "decompress_then_attend_jnp": (jax.jit(lambda q, c: zf.decompress_then_attend(q, c, impl="reference")), (q, comp), comp_bytes + 2 * bf16_bytes),
   }
   fns.update({name: (f, args, bf16_bytes) for name, (f, args) in baselines(q, k, v, plain, scale).items()})
-  rows = []
+  rows, outs = [], {}
   for name, (f, args, nbytes) in fns.items():
-    out = f(*args)
+    out = outs[name] = f(*args)
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
     # Reference paths must be exact; bf16 peers round P and partial sums (outputs are O(1)).
     tol = 0.0 if name.startswith(("zipfusion", "decompress")) else 0.125
@@ -103,8 +102,7 @@ def run_shape(key, cfg, batch, context):
     t, _ = cupti_us(f, *args)
     rows.append(dict(kernel=name, model=cfg.name, batch=batch, context=context, time_us=t, bytes_read=int(nbytes), max_abs_err=err))
     print(f"{name:34s} B={batch:4d} S={context:6d} {t:9.1f} us  {nbytes / t / 1e6:6.2f} TB/s  err {err:.1e}", flush=True)
-  comp_out = fns["zipfusion_reference_compressed"][0](q, comp)
-  same = np.array_equal(np.asarray(comp_out).view(np.uint16), np.asarray(ref).view(np.uint16))
+  same = np.array_equal(np.asarray(outs["zipfusion_reference_compressed"]).view(np.uint16), np.asarray(ref).view(np.uint16))
   return rows, dict(batch=batch, context=context, eligible_fraction=eligible_fraction(comp), compressed_equals_uncompressed=bool(same),
                     compression_ratio=bf16_bytes / comp_bytes)
 

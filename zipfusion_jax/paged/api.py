@@ -76,8 +76,5 @@ def decompress_then_attend(q, cache: PagedKVCache, sm_scale: float | None = None
   """
   if cache.compressed:
     k_pages, v_pages = restore_pages(cache, impl="reference" if _resolve_impl(impl) == "reference" else "pallas")
-    cache = PagedKVCache(
-        lengths=cache.lengths, page_table=cache.page_table, k_tail=cache.k_tail, v_tail=cache.v_tail,
-        k_pages=k_pages, v_pages=v_pages, compressed=False,
-    )
+    cache = cache.replace(arena=None, group_meta=None, k_pages=k_pages, v_pages=v_pages, compressed=False)
   return paged_decode_attention(q, cache, sm_scale, impl=impl, **kwargs)
