@@ -1,0 +1,155 @@
+"""GPU check of the fused decode kernel: correctness sweep, then CUPTI timing (one device call).
+
+  python -m benchmarks.fused_kernel_check [--quick] [--out FILE]
+
+Correctness: ragged lengths, GQA groups, both head dims, several split counts,
+compressed and uncompressed caches; each output against the jnp reference
+(stated tolerance) and compressed == uncompressed bit for bit. Timing: both
+paths and cuDNN at Llama-3.1-8B shapes, same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import zipfusion_jax as zf
+from benchmarks.attention import synthetic_kv
+from benchmarks.compress import cupti_us
+from models.configs import get_config
+from pallas_kernels.decode_attention import DecodeConfig, decode_attention_pallas, heuristic_config
+
+TOL = 2e-2  # |out - reference| for O(1) outputs: bf16 P and output rounding
+
+
+PATHS = ("compressed", "uncompressed")
+
+
+def case(key, batch, seq, kv_heads, group, head_dim, lengths, splits):
+  kk, kv, kq = jax.random.split(key, 3)
+  k = jax.random.normal(kk, (batch, seq, kv_heads, head_dim), jnp.bfloat16)
+  v = jax.random.normal(kv, (batch, seq, kv_heads, head_dim), jnp.bfloat16)
+  # A few raw blocks: outliers in some pages.
+  k = k.at[:, ::37, :, 3].set(3e4)
+  q = jax.random.normal(kq, (batch, kv_heads * group, head_dim), jnp.bfloat16)
+  lengths = np.asarray(lengths, np.int32)
+  comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
+  plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
+  scale = 1.0 / np.sqrt(head_dim)
+  ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
+  cfg = DecodeConfig(splits=splits)
+  outs = {}
+  for name, cache in (("compressed", comp), ("uncompressed", plain)):
+    if name not in PATHS:
+      continue
+    out, lse = decode_attention_pallas(q, cache, scale, config=cfg, return_lse=True)
+    outs[name] = np.asarray(out)
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+    finite = np.isfinite(np.asarray(ref_lse))
+    lse_err = float(np.max(np.abs(np.asarray(lse)[finite] - np.asarray(ref_lse)[finite]), initial=0.0))
+    assert err <= TOL and lse_err <= 1e-2, f"{name}: err {err} lse_err {lse_err}"
+  if len(outs) < 2:
+    return err
+  same = np.array_equal(outs["compressed"].view(np.uint16), outs["uncompressed"].view(np.uint16))
+  assert same, "compressed != uncompressed bitwise"
+  return err
+
+
+CASES = [
+    # batch, seq, kv_heads, group, head_dim, lengths, splits
+    (2, 64, 1, 1, 128, [64, 64], 1),
+    (2, 100, 2, 4, 128, [100, 37], 1),
+    (3, 1030, 2, 4, 128, [1, 513, 1023], 1),
+    (3, 1030, 2, 4, 128, [16, 17, 1030], 3),
+    (2, 300, 3, 3, 64, [15, 300], 1),
+    (2, 300, 3, 3, 64, [0, 299], 2),
+    (2, 520, 8, 4, 128, [520, 250], 2),
+    (1, 2048, 1, 8, 64, [2048], 4),
+    (2, 700, 2, 2, 128, [700, 699], 1),
+    (2, 256, 3, 3, 64, [256, 256], 1),
+    (2, 300, 1, 1, 64, [15, 300], 1),
+    (2, 300, 3, 3, 128, [15, 300], 1),
+    (2, 256, 3, 1, 64, [256, 256], 1),
+    (2, 256, 1, 3, 64, [256, 256], 1),
+]
+
+
+def correctness(only=None):
+  results = []
+  for i, c in enumerate(CASES):
+    if only is not None and i != only:
+      continue
+    try:
+      err = case(jax.random.key(i), *c)
+      results.append(dict(case=str(c), ok=True, err=err))
+      print(f"PASS {c} err={err:.2e}", flush=True)
+    except Exception as e:  # report every case, keep going
+      results.append(dict(case=str(c), ok=False, error=repr(e)[:2000]))
+      print(f"FAIL {c}: {repr(e)[:600]}", flush=True)
+      traceback.print_exc(limit=3)
+  return results
+
+
+def timing(shapes, splits_list):
+  cfg = get_config("llama3.1-8b")
+  rows = []
+  for i, (batch, context) in enumerate(shapes):
+    key = jax.random.key(100 + i)
+    k, v = synthetic_kv(key, batch, context, cfg.kv_heads, cfg.head_dim)
+    q = jax.random.normal(jax.random.fold_in(key, 1), (batch, cfg.q_heads, cfg.head_dim), jnp.bfloat16)
+    lengths = np.full(batch, context, np.int32)
+    comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
+    plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
+    scale = 1.0 / np.sqrt(cfg.head_dim)
+    bf16_bytes = 2 * k.size * 2
+    comp_bytes = comp.arena.size + comp.group_meta.size * 4
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, scale=scale, implementation="cudnn")[:, 0])
+    t, _ = cupti_us(cudnn, q, k, v)
+    rows.append(dict(kernel="cudnn_dense", batch=batch, context=context, time_us=t, bytes_read=bf16_bytes))
+    print(f"cudnn_dense            B={batch} S={context} {t:8.1f} us", flush=True)
+    heur = heuristic_config(batch, cfg.kv_heads, plain.max_pages)
+    for splits in sorted(set(splits_list + [heur.splits])):
+      for name, cache, nbytes in (("zipfusion_compressed", comp, comp_bytes), ("zipfusion_uncompressed", plain, bf16_bytes)):
+        f = jax.jit(lambda q, c, s=splits: decode_attention_pallas(q, c, scale, config=DecodeConfig(splits=s)))
+        try:
+          t, _ = cupti_us(f, q, cache)
+        except Exception as e:
+          print(f"{name} splits={splits}: {repr(e)[:300]}", flush=True)
+          continue
+        rows.append(dict(kernel=name, batch=batch, context=context, splits=splits, heuristic=splits == heur.splits,
+                         time_us=t, bytes_read=int(nbytes)))
+        print(f"{name:22s} B={batch} S={context} splits={splits:2d} {t:8.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
+  return rows
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser()
+  p.add_argument("--quick", action="store_true")
+  p.add_argument("--out", default=None)
+  p.add_argument("--skip-correctness", action="store_true")
+  p.add_argument("--skip-timing", action="store_true")
+  p.add_argument("--only", type=int, default=None)
+  p.add_argument("--paths", default="compressed,uncompressed")
+  a = p.parse_args(argv)
+  global PATHS
+  PATHS = tuple(a.paths.split(","))
+  res = dict(device=jax.devices()[0].device_kind, date=datetime.date.today().isoformat())
+  if not a.skip_correctness:
+    res["correctness"] = correctness(a.only)
+  shapes = [(32, 2048), (8, 8192)] if a.quick else [(32, 2048), (8, 8192), (64, 4096), (1, 32768), (128, 1024)]
+  if not a.skip_timing:
+    res["timing"] = timing(shapes, [1, 2, 4])
+  if a.out:
+    pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+  main()

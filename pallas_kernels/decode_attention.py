@@ -1,0 +1,338 @@
+"""Fused paged decode attention over the 12-bit KV format (Mosaic GPU, Hopper).
+
+One kernel body serves both stores of `zipfusion_jax.paged.PagedKVCache`:
+
+* compressed: each step a producer warpgroup TMA-copies exactly the stored
+  bytes of 4 pages' K and V groups (the fixed 3*nb-unit prefix of each group
+  plus one unit per raw block), the consumer warpgroup restores them to BF16
+  in registers (`restore_mgpu.restore_step`) and writes the swizzled SMEM tiles
+  the wgmmas read;
+* uncompressed: the producer TMA-copies the BF16 pages into the same tiles.
+
+The raw tail page of each sequence is TMA-copied as BF16 into its slot on
+both paths. After the tiles are filled both paths run the same code: `S = Q K^T`
+with the (<= 8) query heads of one KV head as the wgmma A operand (M = 64,
+padded), online softmax in the log2 domain, `O += P V` with P in registers;
+so a compressed and an uncompressed cache of the same K/V give bit-identical
+outputs.
+
+Grid: (KV heads, sequences, splits); CTA = 1 consumer + 1 producer warpgroup.
+A split covers a contiguous range of pages; split outputs are normalised
+partials plus their log2-sum-exp, combined by `_combine` (jnp).
+
+Design notes and measurements: docs/DECODE_KERNEL.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import restore_mgpu as R
+from zipfusion_jax.paged.cache import PAGE_SIZE, PagedKVCache
+
+STEP_PAGES = R.PAGES_PER_STEP
+STEP_TOKENS = STEP_PAGES * PAGE_SIZE  # 64: one wgmma N for S, K for P V
+QROWS = 8  # query rows copied per CTA (>= heads per KV head)
+MROWS = 64  # wgmma M
+LOG2E = 1.4426950408889634
+NUM_SMS = 132
+import os
+_DEBUG = int(os.environ.get("ZF_DEBUG", "0"))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Tuning knobs of the fused kernel.
+
+  Attributes:
+    splits: CTAs per (sequence, KV head), each over a contiguous page range
+      (split-K); partials are combined with their log-sum-exp.
+    stages: depth of the producer -> consumer ring (TMA runs that many steps ahead).
+  """
+
+  splits: int = 1
+  stages: int = 2
+
+  def __post_init__(self):
+    if self.splits < 1:
+      raise ValueError(f"{self.splits=} must be >= 1")
+    if not 1 <= self.stages <= 4:
+      raise ValueError(f"{self.stages=} must be in [1, 4]")
+
+
+def heuristic_config(batch: int, kv_heads: int, max_pages: int) -> DecodeConfig:
+  """Pick splits so the grid covers the GPU about twice while each split keeps >= 4 steps.
+
+  Decode attention is bandwidth bound: what matters is that every SM streams.
+  (Hkv x B) CTAs below ~2 x 132 leave SMs idle, so split the page range until
+  the grid reaches that, but never below 4 steps (256 tokens) per split, where
+  the per-split prologue, epilogue and combine start to cost more than they hide.
+  """
+  ctas = batch * kv_heads
+  steps = -(-max(max_pages, 1) // STEP_PAGES)
+  splits = 1
+  while ctas * splits < 2 * NUM_SMS and steps // (2 * splits) >= 4:
+    splits *= 2
+  return DecodeConfig(splits=splits)
+
+
+def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
+            compressed, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages, interpret):
+  """Refs (GMEM):
+    q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
+      + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
+      rows past the end; lengths_ref: i32 [B]; page_table_ref: i32 [B, MP];
+    k_tail_ref, v_tail_ref: bf16 [B, Hkv, 16, D];
+    compressed: arena_ref u8 [U, 256], meta_ref u32 [Hkv, P, 2, 2];
+    else: k_pages_ref, v_pages_ref bf16 [Hkv, P, 16, D];
+    o_ref: f32 [B, Hkv, splits, 8, D] (rows >= G unused); lse_ref: f32 [B, Hkv, splits, 64] (log2 domain).
+  """
+  store_a, store_b, o_ref, lse_ref, scoped = refs
+  nb = head_dim // 32
+  kvh, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
+  wg = lax.axis_index("wg")
+  (q_smem, k_smem, v_smem, byte_smem, info_smem, o_smem, lse_smem, p_smem), (q_bar, load_bars, consumed_bars) = scoped
+
+  length = lengths_ref[b]
+  full_pages = length // PAGE_SIZE
+  total_pages = (length + PAGE_SIZE - 1) // PAGE_SIZE
+  first_page = split * pages_per_split
+  end_page = jnp.minimum(first_page + pages_per_split, total_pages)
+  n_steps = jnp.maximum(end_page - first_page + STEP_PAGES - 1, 0) // STEP_PAGES
+
+  def slot_infos(stage):
+    return [tuple(info_smem[stage, s, i] for i in range(3)) for s in range(STEP_PAGES)]
+
+  @pl.when(wg == 0)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds((b * kv_heads + kvh) * row_stride, QROWS)], q_smem.at[pl.ds(0, QROWS)], q_bar)
+    plgpu.barrier_wait(q_bar)
+    m_i = plgpu.layout_cast(jnp.full((MROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.full((MROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.full((MROWS, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+    def step(i, carry):
+      acc, m_i, l_i = carry
+      stage = lax.rem(i, stages)
+      plgpu.barrier_wait(load_bars.at[stage])
+      infos = slot_infos(stage)
+      splat = plgpu.Layout.WG_SPLAT(shape=())
+      info_types = tuple((splat,) * 3 for _ in range(STEP_PAGES))
+      if _DEBUG & 1 or (interpret and not compressed):
+        pass
+      elif compressed:
+        tiled = plgpu.RefType(transforms=_TRANSFORMS)
+        plgpu.inline_mgpu(arg_types=(plgpu.RefType(), tiled, tiled, info_types))(
+            lambda ctx, byte_ref, k_ref, v_ref, infos: R.restore_step(byte_ref, k_ref, v_ref, infos, head_dim=head_dim)
+        )(byte_smem.at[stage], k_smem.at[stage], v_smem.at[stage], tuple(infos))
+      else:
+        plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=_TRANSFORMS), info_types))(
+            lambda ctx, v_ref, infos: R.zero_absent_v(v_ref, infos, head_dim=head_dim)
+        )(v_smem.at[stage], tuple(infos))
+      plgpu.commit_smem()
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_smem.at[stage].transpose((1, 0)))
+        return acc_ref[...]
+
+      s = pl.run_scoped(qk, plgpu.ACC((MROWS, STEP_TOKENS), jnp.float32))
+      tok = (first_page + i * STEP_PAGES) * PAGE_SIZE + plgpu.broadcasted_iota(
+          jnp.int32, (MROWS, STEP_TOKENS), 1, layout=plgpu.Layout.WGMMA)
+      s = jnp.where(tok < jnp.minimum(length, end_page * PAGE_SIZE), s * (scale * LOG2E), -jnp.inf)
+      m_new = jnp.maximum(m_i, s.max(axis=1))
+      alpha = jnp.exp2(m_i - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      l_new = l_i * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p16 = p.astype(jnp.bfloat16)
+
+      if interpret:  # a register A operand is not interpretable: stage P through SMEM
+        p_smem[...] = p16
+        plgpu.commit_smem()
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem if interpret else p16, v_smem.at[stage])
+
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(consumed_bars.at[stage])
+      return acc, m_new, l_new
+
+    if not _DEBUG & 8:
+      acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+    empty = l_i == 0
+    l_safe = jnp.where(empty, 1.0, l_i)
+    o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+    lse_smem[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_safe))
+    plgpu.commit_smem()
+    if _DEBUG & 4:
+      return
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, QROWS)], o_ref.at[b, kvh, split])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kvh, split])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 1)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def issue(i, _):
+      stage = lax.rem(i, stages)
+
+      @pl.when(i >= stages)
+      def _():
+        plgpu.barrier_wait(consumed_bars.at[stage])
+
+      bar = load_bars.at[stage]
+      for s in range(STEP_PAGES):
+        page = first_page + i * STEP_PAGES + s
+        in_split = page < end_page
+        is_page = in_split & (page < full_pages)
+        is_tail = in_split & (page == full_pages)
+        phys = page_table_ref[b, jnp.minimum(page, max_pages - 1)]
+        rows = pl.ds(s * PAGE_SIZE, PAGE_SIZE)
+        words = []
+        for kind, (tail_ref, stage_smem) in enumerate(((k_tail_ref, k_smem), (v_tail_ref, v_smem))):
+          _copy_or_arrive(tail_ref.at[b, kvh], stage_smem.at[stage, rows], bar, is_tail)
+          if compressed:
+            arena_ref, meta_ref = store_a, store_b
+            offset = (meta_ref[kvh, phys, kind, 0] & 0x3FFFFFFF).astype(jnp.int32)
+            word1 = meta_ref[kvh, phys, kind, 1]
+            n_raw = sum(((word1 >> (8 * j)) & 0xFF == R.RAW).astype(jnp.int32) for j in range(nb))
+            dst = byte_smem.at[stage, kind, s]
+            _copy_or_arrive(arena_ref.at[pl.ds(offset, 3 * nb)], dst.at[pl.ds(0, 3 * nb)], bar, is_page)
+            for j in range(nb):
+              _copy_or_arrive(arena_ref.at[pl.ds(offset + 3 * nb + j, 1)], dst.at[pl.ds(3 * nb + j, 1)], bar,
+                              is_page & (j < n_raw))
+            words.append(lax.bitcast_convert_type(word1, jnp.int32))
+          else:
+            pages_ref = (store_a, store_b)[kind]
+            _copy_or_arrive(pages_ref.at[kvh, phys], stage_smem.at[stage, rows], bar, is_page)
+            words.append(jnp.int32(0))
+        info_smem[stage, s, 0] = jnp.where(is_page, R.FLAG_PAGE, jnp.where(is_tail, R.FLAG_TAIL, 0)).astype(jnp.int32)
+        info_smem[stage, s, 1] = words[0]
+        info_smem[stage, s, 2] = words[1]
+      plgpu.commit_smem()  # every producer thread's info stores land before the arrival below
+      plgpu.barrier_arrive(bar)
+      return ()
+
+    if not _DEBUG & 8:
+      lax.fori_loop(0, n_steps, issue, ())
+
+
+def _copy_or_arrive(src, dst, barrier, predicate):
+  """A conditional TMA copy that always counts one arrival on `barrier` (the copy's, or a plain one)."""
+  @pl.when(predicate)
+  def _():
+    plgpu.copy_gmem_to_smem(src, dst, barrier)
+
+  @pl.when(jnp.logical_not(predicate))
+  def _():
+    plgpu.barrier_arrive(barrier)
+
+
+_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _arrivals(compressed: bool, nb: int) -> int:
+  per_slot_kind = 1 + (1 + nb if compressed else 1)  # tail + (prefix + raw units | page)
+  return 2 * STEP_PAGES * per_slot_kind + 1  # + the producer's info arrival
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "return_lse", "interpret"))
+def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig, return_lse: bool, interpret: bool = False):
+  batch, q_heads, head_dim = q.shape
+  kv_heads = cache.num_kv_heads
+  group = q_heads // kv_heads
+  nb = head_dim // 32
+  splits, stages = config.splits, config.stages
+  max_pages = cache.max_pages
+  pages_per_split = -(-(max_pages + 1) // (splits * STEP_PAGES)) * STEP_PAGES
+  stores = (cache.arena, cache.group_meta) if cache.compressed else (cache.k_pages, cache.v_pages)
+  tile = lambda shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=_TRANSFORMS)
+  f32_tile = plgpu.SMEM((MROWS, head_dim), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
+  byte_units = 4 * nb
+  scratch = (
+      (
+          tile((MROWS, head_dim)),
+          tile((stages, STEP_TOKENS, head_dim)),
+          tile((stages, STEP_TOKENS, head_dim)),
+          plgpu.SMEM((stages, 2, STEP_PAGES, byte_units if cache.compressed else 1, R.UNIT), jnp.uint8),
+          plgpu.SMEM((stages, STEP_PAGES, 3), jnp.int32),
+          f32_tile,
+          plgpu.SMEM((MROWS,), jnp.float32),
+          tile((MROWS, STEP_TOKENS)) if interpret else None,
+      ),
+      (
+          plgpu.Barrier(num_barriers=1),
+          plgpu.Barrier(num_arrivals=_arrivals(cache.compressed, nb), num_barriers=stages),
+          plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+      ),
+  )
+  if QROWS % group == 0 and (batch * q_heads) % QROWS == 0:
+    q_rows, row_stride = q.reshape(batch * q_heads, head_dim), group  # free reshape
+  else:  # e.g. 3 heads per KV head: pad each group to 8 rows so every 8-row TMA box is its own
+    q_rows = jnp.pad(q.reshape(batch, kv_heads, group, head_dim), ((0, 0), (0, 0), (0, QROWS - group), (0, 0)))
+    q_rows, row_stride = q_rows.reshape(batch * kv_heads * QROWS, head_dim), QROWS
+
+  body = functools.partial(
+      _kernel, compressed=cache.compressed, head_dim=head_dim, kv_heads=kv_heads, row_stride=row_stride,
+      pages_per_split=pages_per_split, max_pages=max_pages, scale=scale, stages=stages, interpret=interpret)
+
+  def entry(*refs):
+    pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")
+
+  o, lse = plgpu.kernel(
+      entry,
+      out_type=(
+          jax.ShapeDtypeStruct((batch, kv_heads, splits, QROWS, head_dim), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, splits, MROWS), jnp.float32),
+      ),
+      grid=(kv_heads, batch, splits),
+      grid_names=("h", "b", "s"),
+      num_threads=2,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+      interpret=plgpu.InterpretGPUParams(out_of_bounds_reads="raise", detect_races=True) if interpret else False,
+  )(q_rows, cache.lengths, cache.page_table, cache.k_tail, cache.v_tail, *stores)
+  out, lse2 = _combine(o[:, :, :, :group], lse[:, :, :, :group])
+  out = out.reshape(batch, q_heads, head_dim).astype(jnp.bfloat16)
+  if return_lse:
+    return out, (lse2 * math.log(2.0)).reshape(batch, q_heads)
+  return out
+
+
+def _combine(o, lse2):
+  """Merge split partials: o f32 [B, Hkv, S, G, D], lse2 f32 [B, Hkv, S, G] -> ([B, Hkv, G, D], [B, Hkv, G])."""
+  if o.shape[2] == 1:
+    return o[:, :, 0], lse2[:, :, 0]
+  top = jnp.max(lse2, axis=2, keepdims=True)
+  top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.exp2(lse2 - top_safe)
+  total = jnp.sum(w, axis=2)
+  out = jnp.sum(w[..., None] * o, axis=2) / jnp.where(total == 0, 1.0, total)[..., None]
+  lse = jnp.where(total == 0, -jnp.inf, top_safe[:, :, 0] + jnp.log2(jnp.where(total == 0, 1.0, total)))
+  return out, lse
+
+
+def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: DecodeConfig | None = None,
+                            return_lse: bool = False, interpret: bool | None = None):
+  """Fused paged decode attention (see module docstring). Inputs are validated by the caller.
+
+  Args:
+    q: bfloat16 [B, Hq, D]; cache: a PagedKVCache (compressed or not).
+    scale: softmax scale. config: None picks `heuristic_config`.
+    interpret: must be falsy: the kernel needs a Hopper GPU (Mosaic GPU).
+  """
+  if interpret:
+    raise NotImplementedError("the fused kernel has no interpret mode yet; use impl='reference' off-GPU")
+  if config is None:
+    config = heuristic_config(cache.batch, cache.num_kv_heads, cache.max_pages)
+  return _decode_attention(q, cache, float(scale), config, bool(return_lse))
