@@ -9,9 +9,11 @@ kernel's output checked against the jnp reference, then CUPTI kernel time
 (dispatch excluded, median of 10). Rows follow the issue's schema:
 {"kernel", "model", "batch", "context", "time_us", "bytes_read"}.
 
-Until the fused kernel lands, the ZipFusion rows are the jnp reference paths
-(`zipfusion_reference_*`, `decompress_then_attend_jnp`); the uncompressed
-peers are cuDNN (dense), JAX's Pallas Triton paged kernel and XLA.
+On a GPU the ZipFusion rows are the fused kernel on the compressed and on the
+BF16 paged cache (`zipfusion_compressed`, `zipfusion_uncompressed`) and
+decompress-then-attend (XLA restore of every page, then the fused kernel on
+BF16 pages); the jnp reference paths are timed too. Uncompressed peers: cuDNN
+(dense), JAX's Pallas Triton paged kernel and XLA.
 """
 
 from __future__ import annotations
@@ -91,18 +93,27 @@ def run_shape(key, cfg, batch, context):
       "zipfusion_reference_uncompressed": (reference, (q, plain), bf16_bytes),
       "decompress_then_attend_jnp": (jax.jit(lambda q, c: zf.decompress_then_attend(q, c, impl="reference")), (q, comp), comp_bytes + 2 * bf16_bytes),
   }
+  if jax.default_backend() == "gpu":  # the fused kernel needs a Hopper GPU
+    fused = jax.jit(lambda q, c: zf.paged_decode_attention(q, c, impl="pallas"))
+    fns["zipfusion_compressed"] = (fused, (q, comp), comp_bytes)
+    fns["zipfusion_uncompressed"] = (fused, (q, plain), bf16_bytes)
+    fns["decompress_then_attend"] = (jax.jit(lambda q, c: zf.decompress_then_attend(q, c, impl="pallas")), (q, comp),
+                                     comp_bytes + 2 * bf16_bytes)
   fns.update({name: (f, args, bf16_bytes) for name, (f, args) in baselines(q, k, v, plain, scale).items()})
   rows, outs = [], {}
   for name, (f, args, nbytes) in fns.items():
     out = outs[name] = f(*args)
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
     # Reference paths must be exact; bf16 peers round P and partial sums (outputs are O(1)).
-    tol = 0.0 if name.startswith(("zipfusion", "decompress")) else 0.125
+    tol = 0.0 if name.startswith(("zipfusion_reference", "decompress_then_attend_jnp")) else 0.125
     assert err <= tol, f"{name}: max |out - reference| = {err} > {tol}"
     t, _ = cupti_us(f, *args)
     rows.append(dict(kernel=name, model=cfg.name, batch=batch, context=context, time_us=t, bytes_read=int(nbytes), max_abs_err=err))
     print(f"{name:34s} B={batch:4d} S={context:6d} {t:9.1f} us  {nbytes / t / 1e6:6.2f} TB/s  err {err:.1e}", flush=True)
   same = np.array_equal(np.asarray(outs["zipfusion_reference_compressed"]).view(np.uint16), np.asarray(ref).view(np.uint16))
+  if "zipfusion_compressed" in outs:  # the fused kernel: compressed and BF16 pages give the same bits
+    same &= np.array_equal(np.asarray(outs["zipfusion_compressed"]).view(np.uint16),
+                           np.asarray(outs["zipfusion_uncompressed"]).view(np.uint16))
   return rows, dict(batch=batch, context=context, eligible_fraction=eligible_fraction(comp), compressed_equals_uncompressed=bool(same),
                     compression_ratio=bf16_bytes / comp_bytes)
 

@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import _platform
 from pallas_kernels import restore_mgpu as R
 from zipfusion_jax.paged.cache import PAGE_SIZE, PagedKVCache
 
@@ -44,8 +45,6 @@ QROWS = 8  # query rows copied per CTA (>= heads per KV head)
 MROWS = 64  # wgmma M
 LOG2E = 1.4426950408889634
 NUM_SMS = 132
-import os
-_DEBUG = int(os.environ.get("ZF_DEBUG", "0"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +55,13 @@ class DecodeConfig:
     splits: CTAs per (sequence, KV head), each over a contiguous page range
       (split-K); partials are combined with their log-sum-exp.
     stages: depth of the producer -> consumer ring (TMA runs that many steps ahead).
+    split_restore: compressed path: the producer warpgroup restores V while the
+      consumer restores K and computes S (else the consumer restores both).
   """
 
   splits: int = 1
   stages: int = 2
+  split_restore: bool = True
 
   def __post_init__(self):
     if self.splits < 1:
@@ -69,23 +71,26 @@ class DecodeConfig:
 
 
 def heuristic_config(batch: int, kv_heads: int, max_pages: int) -> DecodeConfig:
-  """Pick splits so the grid covers the GPU about twice while each split keeps >= 4 steps.
+  """Pick splits so the grid fills every SM while each split keeps >= 4 steps.
 
   Decode attention is bandwidth bound: what matters is that every SM streams.
-  (Hkv x B) CTAs below ~2 x 132 leave SMs idle, so split the page range until
-  the grid reaches that, but never below 4 steps (256 tokens) per split, where
-  the per-split prologue, epilogue and combine start to cost more than they hide.
+  Fewer than 132 (Hkv x B) CTAs leave SMs idle, so split the page range until
+  the grid has a full wave, but never below 4 steps (256 tokens) per split, where
+  the per-split prologue, epilogue and combine cost more than they hide. Past
+  one wave, more splits only add combine traffic (H200, 2026-12-03: 32 x 2048
+  at Llama-3.1-8B shapes ran 7% slower with 2 splits than with 1).
   """
   ctas = batch * kv_heads
   steps = -(-max(max_pages, 1) // STEP_PAGES)
   splits = 1
-  while ctas * splits < 2 * NUM_SMS and steps // (2 * splits) >= 4:
+  while ctas * splits < NUM_SMS and steps // (2 * splits) >= 4:
     splits *= 2
   return DecodeConfig(splits=splits)
 
 
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
-            compressed, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages, interpret):
+            compressed, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages,
+            split_restore):
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
@@ -99,7 +104,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   nb = head_dim // 32
   kvh, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
   wg = lax.axis_index("wg")
-  (q_smem, k_smem, v_smem, byte_smem, info_smem, o_smem, lse_smem, p_smem), (q_bar, load_bars, consumed_bars) = scoped
+  (q_smem, k_smem, v_smem, byte_smem, info_smem, o_smem, lse_smem), (q_bar, load_bars, consumed_bars, v_ready_bars) = scoped
 
   length = lengths_ref[b]
   full_pages = length // PAGE_SIZE
@@ -127,8 +132,8 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       infos = slot_infos(stage)
       splat = plgpu.Layout.WG_SPLAT(shape=())
       info_types = tuple((splat,) * 3 for _ in range(STEP_PAGES))
-      if _DEBUG & 1 or (interpret and not compressed):
-        pass
+      if compressed and split_restore:
+        _restore(R.restore_k, byte_smem.at[stage], k_smem.at[stage], infos, head_dim)
       elif compressed:
         tiled = plgpu.RefType(transforms=_TRANSFORMS)
         plgpu.inline_mgpu(arg_types=(plgpu.RefType(), tiled, tiled, info_types))(
@@ -155,33 +160,29 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p16 = p.astype(jnp.bfloat16)
 
-      if interpret:  # a register A operand is not interpretable: stage P through SMEM
-        p_smem[...] = p16
-        plgpu.commit_smem()
+      if compressed and split_restore:
+        plgpu.barrier_wait(v_ready_bars.at[stage])
 
       def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem if interpret else p16, v_smem.at[stage])
+        plgpu.wgmma(acc_ref, p16, v_smem.at[stage])
 
       acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(consumed_bars.at[stage])
       return acc, m_new, l_new
 
-    if not _DEBUG & 8:
-      acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+    acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
     empty = l_i == 0
     l_safe = jnp.where(empty, 1.0, l_i)
     o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
     lse_smem[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_safe))
     plgpu.commit_smem()
-    if _DEBUG & 4:
-      return
     plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, QROWS)], o_ref.at[b, kvh, split])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kvh, split])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 1)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(96 if compressed and split_restore else 40, action="decrease")
 
     def issue(i, _):
       stage = lax.rem(i, stages)
@@ -223,8 +224,37 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       plgpu.barrier_arrive(bar)
       return ()
 
-    if not _DEBUG & 8:
+    if not (compressed and split_restore):
       lax.fori_loop(0, n_steps, issue, ())
+      return
+
+    # Split restore: issue step i + 1, then restore V of step i while the consumer does K.
+    @pl.when(n_steps > 0)
+    def _():
+      issue(0, ())
+
+    def restore_v(i, _):
+      @pl.when(i + 1 < n_steps)
+      def _():
+        issue(i + 1, ())
+
+      stage = lax.rem(i, stages)
+      plgpu.barrier_wait(load_bars.at[stage])
+      _restore(R.restore_v, byte_smem.at[stage], v_smem.at[stage], slot_infos(stage), head_dim)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(v_ready_bars.at[stage])
+      return ()
+
+    lax.fori_loop(0, n_steps, restore_v, ())
+
+
+def _restore(fn, byte_ref, tile_ref, infos, head_dim):
+  """Run one half of the restore (`restore_mgpu.restore_k` / `restore_v`) on this warpgroup."""
+  splat = plgpu.Layout.WG_SPLAT(shape=())
+  info_types = tuple((splat,) * 3 for _ in range(STEP_PAGES))
+  plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms=_TRANSFORMS), info_types))(
+      lambda ctx, byte_ref, tile_ref, infos: fn(byte_ref, tile_ref, infos, head_dim=head_dim)
+  )(byte_ref, tile_ref, tuple(infos))
 
 
 def _copy_or_arrive(src, dst, barrier, predicate):
@@ -246,8 +276,8 @@ def _arrivals(compressed: bool, nb: int) -> int:
   return 2 * STEP_PAGES * per_slot_kind + 1  # + the producer's info arrival
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "return_lse", "interpret"))
-def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig, return_lse: bool, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("scale", "config", "return_lse"))
+def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig, return_lse: bool):
   batch, q_heads, head_dim = q.shape
   kv_heads = cache.num_kv_heads
   group = q_heads // kv_heads
@@ -268,11 +298,11 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
           plgpu.SMEM((stages, STEP_PAGES, 3), jnp.int32),
           f32_tile,
           plgpu.SMEM((MROWS,), jnp.float32),
-          tile((MROWS, STEP_TOKENS)) if interpret else None,
       ),
       (
           plgpu.Barrier(num_barriers=1),
           plgpu.Barrier(num_arrivals=_arrivals(cache.compressed, nb), num_barriers=stages),
+          plgpu.Barrier(num_arrivals=1, num_barriers=stages),
           plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       ),
   )
@@ -284,7 +314,8 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
 
   body = functools.partial(
       _kernel, compressed=cache.compressed, head_dim=head_dim, kv_heads=kv_heads, row_stride=row_stride,
-      pages_per_split=pages_per_split, max_pages=max_pages, scale=scale, stages=stages, interpret=interpret)
+      pages_per_split=pages_per_split, max_pages=max_pages, scale=scale, stages=stages,
+      split_restore=config.split_restore)
 
   def entry(*refs):
     pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")
@@ -300,7 +331,6 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       num_threads=2,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
-      interpret=plgpu.InterpretGPUParams(out_of_bounds_reads="raise", detect_races=True) if interpret else False,
   )(q_rows, cache.lengths, cache.page_table, cache.k_tail, cache.v_tail, *stores)
   out, lse2 = _combine(o[:, :, :, :group], lse[:, :, :, :group])
   out = out.reshape(batch, q_heads, head_dim).astype(jnp.bfloat16)
@@ -329,10 +359,14 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
   Args:
     q: bfloat16 [B, Hq, D]; cache: a PagedKVCache (compressed or not).
     scale: softmax scale. config: None picks `heuristic_config`.
-    interpret: must be falsy: the kernel needs a Hopper GPU (Mosaic GPU).
+    interpret: None = interpret off-GPU. The kernel has no interpret mode yet (its
+      restore is inline PTX and its P operand lives in registers), so interpreting
+      raises NotImplementedError; off-GPU use impl='reference' (same format, jnp).
   """
-  if interpret:
-    raise NotImplementedError("the fused kernel has no interpret mode yet; use impl='reference' off-GPU")
+  if _platform.resolve_interpret(interpret):
+    raise NotImplementedError(
+        "the fused decode-attention kernel needs a Hopper GPU and has no interpret mode yet; "
+        "use impl='reference' (the jnp path over the same format)")
   if config is None:
     config = heuristic_config(cache.batch, cache.num_kv_heads, cache.max_pages)
   return _decode_attention(q, cache, float(scale), config, bool(return_lse))

@@ -82,31 +82,39 @@ def _if(cond):
   return op
 
 
-def _decode_fragment(block_ptr, k, slot_byte):
-  """The 4 BF16 pairs (as i32) of fragment `k` of the block at `block_ptr`.
+def _decode_fragment(block_ptr, lane, c, slot_byte):
+  """The 4 BF16 pairs (as i32) of fragment `k = 32c + lane` of the block at `block_ptr`.
 
-  slot_byte: i32 0..127 (compressed, = b/2) or 0xFF (raw).
+  slot_byte: i32 0..127 (compressed, = b/2) or 0xFF (raw); uniform across the warp.
   Returns [{a0a1}, {a2a3}, {a4a5}, {a6a7}].
   """
-  lo_off = arith.muli(k, _c(8))
+  i32 = _i32()
+  lo_off = arith.addi(arith.shli(lane, _c(3)), _c(256 * c))  # 8k
   lx = _load32(block_ptr, lo_off)
   ly = _load32(block_ptr, arith.addi(lo_off, _c(4)))
-  code = _load32(block_ptr, _add(_c(512), arith.muli(k, _c(4))))
-  bias = arith.muli(arith.andi(slot_byte, _c(0x7F)), _c(0x01010101))
-  hx_c = arith.addi(arith.andi(code, _c(0x87878787 - (1 << 32))), bias)
-  hy_c = arith.addi(
-      arith.ori(arith.andi(arith.shrui(code, _c(4)), _c(0x07070707)),
-                arith.andi(arith.shli(code, _c(4)), _c(0x80808080 - (1 << 32)))),
-      bias,
-  )
-  raw_off = _add(_c(512), lo_off)
-  hx_r = _load32(block_ptr, raw_off)
-  hy_r = _load32(block_ptr, arith.addi(raw_off, _c(4)))
   is_raw = arith.cmpi(arith.CmpIPredicate.eq, slot_byte, _c(RAW))
-  hx = arith.select(is_raw, hx_r, hx_c)
-  hy = arith.select(is_raw, hy_r, hy_c)
+  op = scf.IfOp(is_raw, [i32, i32], has_else=True)
+  with ir.InsertionPoint(op.then_block):  # raw: the high bytes are stored verbatim at 512 + 8k
+    raw_off = arith.addi(lo_off, _c(512))
+    scf.yield_([_load32(block_ptr, raw_off), _load32(block_ptr, arith.addi(raw_off, _c(4)))])
+  with ir.InsertionPoint(op.else_block):  # compressed: one code word at 512 + 4k
+    code = _load32(block_ptr, arith.addi(arith.shli(lane, _c(2)), _c(512 + 128 * c)))
+    bias = arith.muli(slot_byte, _c(0x01010101))
+    hx = arith.addi(arith.andi(code, _c(0x87878787 - (1 << 32))), bias)
+    hy = arith.addi(
+        arith.ori(arith.andi(arith.shrui(code, _c(4)), _c(0x07070707)),
+                  arith.andi(arith.shli(code, _c(4)), _c(0x80808080 - (1 << 32)))),
+        bias,
+    )
+    scf.yield_([hx, hy])
+  hx, hy = op.results
   lo_sel, hi_sel = _c(0x5140), _c(0x7362)
   return [mu.prmt(lx, hx, lo_sel), mu.prmt(lx, hx, hi_sel), mu.prmt(ly, hy, lo_sel), mu.prmt(ly, hy, hi_sel)]
+
+
+def _decode_fragment_dyn_c(block_ptr, lane, c_dyn, slot_byte):
+  """`_decode_fragment` with the tile index `c` a (warp-uniform) i32 value."""
+  return _decode_fragment(block_ptr, arith.addi(lane, arith.shli(c_dyn, _c(5))), 0, slot_byte)
 
 
 def _block_starts(word1, nblocks):
@@ -146,20 +154,28 @@ def _scalar(x):
 
 
 def restore_step(byte_ref, k_ref, v_ref, infos, *, head_dim):
-  """Restore one step's compressed pages into the K and V stages.
+  """Restore one step's compressed pages into the K and V stages (one warpgroup does both).
 
   Args:
     byte_ref: memref uint8 [2 (K, V), 4 slots, 4 * nb units, 256], this step's groups.
     k_ref, v_ref: memrefs bf16 [64, D] ((8, 64) tiles, 128B swizzle).
     infos: per slot (flags, k_word1, v_word1) i32 values (splat arrays).
   """
-  nblocks = head_dim // 32
+  restore_k(byte_ref, k_ref, infos, head_dim=head_dim)
+  restore_v(byte_ref, v_ref, infos, head_dim=head_dim)
+
+
+def _setup(byte_ref, out_ref, infos, head_dim):
   warp, lane = _thread()
   g, t = arith.shrui(lane, _c(2)), arith.andi(lane, _c(3))
-  byte_ptr, k_ptr, v_ptr = mu.memref_ptr(byte_ref), mu.memref_ptr(k_ref), mu.memref_ptr(v_ref)
-  slot_bytes = 4 * nblocks * UNIT
   infos = [tuple(_scalar(x) for x in info) for info in infos]
+  return warp, lane, g, t, mu.memref_ptr(byte_ref), mu.memref_ptr(out_ref), 4 * (head_dim // 32) * UNIT, infos
 
+
+def restore_k(byte_ref, k_ref, infos, *, head_dim):
+  """K half of `restore_step`: warp w restores page slot w into the K stage."""
+  nblocks = head_dim // 32
+  warp, lane, g, t, byte_ptr, k_ptr, slot_bytes, infos = _setup(byte_ref, k_ref, infos, head_dim)
   # K: warp w restores page slot w. Select this warp's slot info.
   flags = infos[0][0]
   kw1 = infos[0][1]
@@ -172,21 +188,36 @@ def restore_step(byte_ref, k_ref, v_ref, infos, *, head_dim):
   with ir.InsertionPoint(op.then_block):
     slot_ptr = _gep(byte_ptr, arith.muli(warp, _c(slot_bytes)))  # kind 0 (K), slot w
     starts = _block_starts(kw1, nblocks)
-    row0 = _add(arith.muli(warp, _c(16)), g)
+    # Byte offset of (token 16w + g + 8h, dim 32j + 16c + 2t + 8e) in the swizzled tile:
+    # thread part w*2*tpr*1024 + g*128 + 4t, static part, and the swizzle term (chunk*16) ^ (g*16).
+    tpr = head_dim // TILE_COLS
+    base = _add(arith.muli(warp, _c(2 * tpr * TILE_BYTES)), arith.shli(g, _c(7)), arith.shli(t, _c(2)))
+    g16 = arith.shli(g, _c(4))
     for j in range(nblocks):
       block_ptr = _gep(slot_ptr, arith.muli(starts[j], _c(UNIT)))
       hb = _slot_byte(kw1, j)
       for c in range(2):
-        k = arith.addi(_c(32 * c), lane)
-        pairs = _decode_fragment(block_ptr, k, hb)
-        dim0 = arith.addi(_c(32 * j + 16 * c), arith.muli(t, _c(2)))
-        for i, (dr, dc) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
-          off = _swizzled_offset(arith.addi(row0, _c(dr)), arith.addi(dim0, _c(dc)), head_dim)
+        pairs = _decode_fragment(block_ptr, lane, c, hb)
+        for i, (h, e) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
+          dim = 32 * j + 16 * c + 8 * e
+          static = (h * tpr + dim // TILE_COLS) * TILE_BYTES
+          chunk16 = ((dim % TILE_COLS) // 8) * 16
+          off = _add(base, _c(static), arith.xori(g16, _c(chunk16)))
           _store32(k_ptr, off, pairs[i])
     scf.yield_([])
 
+
+
+def restore_v(byte_ref, v_ref, infos, *, head_dim):
+  """V half of `restore_step` (slots past the sequence get zeros)."""
+  nblocks = head_dim // 32
+  warp, lane, g, t, byte_ptr, v_ptr, slot_bytes, infos = _setup(byte_ref, v_ref, infos, head_dim)
   # V: warp w restores dims 16w + 64m (+0..15) of every slot: block j = 2m + w // 2, tile c = w % 2.
+  # Byte offset of (token 16s + 2t + 8e + u, dim 64m + 16w + g + 8h): rows r = 2t + u, chunk
+  # 2w + h, so the swizzle term is 32 (w ^ t) + 16 (h ^ u); thread part 2g + 256t + 32 (w ^ t).
   c_tile = arith.andi(warp, _c(1))
+  tpr = head_dim // TILE_COLS
+  v_base = _add(arith.shli(g, _c(1)), arith.shli(t, _c(8)), arith.shli(arith.xori(warp, t), _c(5)))
   for s in range(PAGES_PER_STEP):
     flags, _, vw1 = infos[s]
     is_page = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(flags, _c(FLAG_PAGE)), _c(0))
@@ -195,8 +226,6 @@ def restore_step(byte_ref, k_ref, v_ref, infos, *, head_dim):
     with ir.InsertionPoint(op.then_block):
       slot_ptr = _gep(byte_ptr, _c((PAGES_PER_STEP + s) * slot_bytes))  # kind 1 (V), slot s
       starts = _block_starts(vw1, nblocks)
-      k = arith.addi(arith.muli(c_tile, _c(32)), lane)
-      tok0 = _add(_c(16 * s), arith.muli(t, _c(2)))
       for m in range(head_dim // 64):
         j_dyn = arith.addi(_c(2 * m), arith.shrui(warp, _c(1)))
         start = starts[0]
@@ -206,14 +235,13 @@ def restore_step(byte_ref, k_ref, v_ref, infos, *, head_dim):
           start = arith.select(is_j, starts[j], start)
           hb = arith.select(is_j, _slot_byte(vw1, j), hb)
         block_ptr = _gep(slot_ptr, arith.muli(start, _c(UNIT)))
-        pairs = _decode_fragment(block_ptr, k, hb)
+        pairs = _decode_fragment_dyn_c(block_ptr, lane, c_tile, hb)
         pairs = [arith.select(absent, _c(0), p) for p in pairs]
-        dim = _add(_c(64 * m), arith.muli(warp, _c(16)), g)
-        for i, (dd, dt) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
-          d = arith.addi(dim, _c(dd))
-          tok = arith.addi(tok0, _c(dt))
-          _store16(v_ptr, _swizzled_offset(tok, d, head_dim), pairs[i])
-          _store16(v_ptr, _swizzled_offset(arith.addi(tok, _c(1)), d, head_dim), arith.shrui(pairs[i], _c(16)))
+        for i, (h, e) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
+          for u in range(2):  # the pair's two tokens: 2t + 8e + u
+            static = ((2 * s + e) * tpr + m) * TILE_BYTES + 128 * u + 16 * (h ^ u)
+            value = pairs[i] if u == 0 else arith.shrui(pairs[i], _c(16))
+            _store16(v_ptr, arith.addi(v_base, _c(static)), value)
       scf.yield_([])
 
 

@@ -12,9 +12,9 @@ from zipfusion_jax.paged.cache import PagedKVCache, restore_pages
 AttentionImpl = Literal["pallas", "reference"]
 
 
-# The fused kernel is not landed yet (docs/DECODE_KERNEL.md is its design); until it is,
-# every backend runs the jnp reference and impl="pallas" says so.
-FUSED_KERNEL_AVAILABLE = False
+# The fused kernel (pallas_kernels/decode_attention.py, docs/DECODE_KERNEL.md) needs a Hopper
+# GPU; elsewhere the default is the jnp reference of the same format.
+FUSED_KERNEL_AVAILABLE = True
 
 
 def _resolve_impl(impl: AttentionImpl | None) -> AttentionImpl:
@@ -22,11 +22,6 @@ def _resolve_impl(impl: AttentionImpl | None) -> AttentionImpl:
     return "pallas" if FUSED_KERNEL_AVAILABLE and jax.default_backend() == "gpu" else "reference"
   if impl not in ("pallas", "reference"):
     raise ValueError(f"{impl=} must be 'pallas' or 'reference'")
-  if impl == "pallas" and not FUSED_KERNEL_AVAILABLE:
-    raise NotImplementedError(
-        "the fused Pallas decode-attention kernel is not implemented yet (design: docs/DECODE_KERNEL.md); "
-        "use impl='reference'"
-    )
   return impl
 
 
@@ -46,11 +41,12 @@ def paged_decode_attention(
     q: bfloat16 [B, Hq, D]; Hq a multiple of the cache's KV heads (<= 8 per KV head).
     cache: from `paged_cache_from_dense` (compressed or not).
     sm_scale: softmax scale; default 1/sqrt(D).
-    impl: "pallas" (the fused Mosaic GPU kernel, once landed; raises
-      NotImplementedError until then) or "reference" (jnp, the default).
+    impl: "pallas" (the fused Mosaic GPU kernel; Hopper GPUs) or "reference"
+      (jnp). Default: "pallas" on a GPU, else "reference".
     config: `pallas_kernels.decode_attention.DecodeConfig` or None (heuristic).
     return_lse: also return the natural-log sum-exp float32 [B, Hq].
-    interpret: force interpret mode for "pallas" (default: off-GPU only).
+    interpret: for "pallas"; the kernel has no interpret mode yet, so off-GPU
+      (or with interpret=True) it raises NotImplementedError.
 
   Returns:
     bfloat16 [B, Hq, D] (and float32 [B, Hq] when `return_lse`). The
@@ -74,7 +70,7 @@ def decompress_then_attend(q, cache: PagedKVCache, sm_scale: float | None = None
   Writes a BF16 copy of every completed page (the buffer the fused kernel never
   materialises), then runs the uncompressed paged kernel on it.
   """
-  if cache.compressed:
-    k_pages, v_pages = restore_pages(cache, impl="reference" if _resolve_impl(impl) == "reference" else "pallas")
+  if cache.compressed:  # the restore is XLA-compiled jnp (no Pallas page-decompression kernel yet)
+    k_pages, v_pages = restore_pages(cache, impl="reference")
     cache = cache.replace(arena=None, group_meta=None, k_pages=k_pages, v_pages=v_pages, compressed=False)
   return paged_decode_attention(q, cache, sm_scale, impl=impl, **kwargs)

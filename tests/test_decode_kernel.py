@@ -1,0 +1,132 @@
+"""The fused decode-attention kernel off-GPU: it lowers for an H200, fused, with no BF16 copy.
+
+The kernel's numerics are checked on the GPU by `python -m benchmarks.fused_kernel_check`
+(ragged lengths, GQA 1-8, head_dim 64/128, splits, raw blocks; compressed == uncompressed
+bit for bit). Here: Mosaic GPU lowering of both stores (this runs the kernel's Python and
+the inline restore's MLIR builders), the HLO structure, the split combine, the heuristic.
+"""
+
+from __future__ import annotations
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.mesh import AbstractDevice
+from jax.sharding import AbstractMesh, AxisType
+
+import zipfusion_jax as zf
+from pallas_kernels import decode_attention as da
+from zipfusion_jax.paged import reference
+
+H200 = AbstractMesh(
+    (1,), ("x",), (AxisType.Explicit,),
+    abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"),
+)
+
+
+def _kv(batch, seq, kv_heads, head_dim, seed=0):
+  rng = np.random.default_rng(seed)
+  k = jnp.asarray(rng.normal(size=(batch, seq, kv_heads, head_dim)), jnp.bfloat16)
+  v = jnp.asarray(rng.normal(size=(batch, seq, kv_heads, head_dim)), jnp.bfloat16)
+  return k, v
+
+
+def _lower_text(fn, *args):
+  avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+  with jax.sharding.use_abstract_mesh(H200):
+    return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _bf16_sizes(text):
+  """Element counts of every bf16 tensor type in lowered StableHLO text."""
+  return [int(np.prod([int(d) for d in dims.rstrip("x").split("x")])) for dims in re.findall(r"tensor<((?:\d+x)+)bf16>", text)]
+
+
+@pytest.mark.parametrize(
+    "compressed,head_dim,group,splits",
+    [(True, 128, 4, 1), (False, 128, 4, 2), (True, 64, 3, 2), (False, 64, 3, 1), (True, 128, 8, 3)],
+)
+def test_lowers_to_one_mosaic_gpu_kernel_for_an_abstract_h200(compressed, head_dim, group, splits):
+  kv_heads = 3 if group == 3 else 2
+  k, v = _kv(2, 100, kv_heads, head_dim)
+  cache = zf.paged_cache_from_dense(k, v, np.array([100, 37]), compressed=compressed)
+  q = jnp.zeros((2, kv_heads * group, head_dim), jnp.bfloat16)
+  text = _lower_text(lambda q, c: da._decode_attention(q, c, 0.125, da.DecodeConfig(splits=splits), True), q, cache)
+  assert text.count("mosaic_gpu") >= 1
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+
+
+def test_compressed_pages_are_never_materialised_as_bf16():
+  """The fused path holds no BF16 buffer the size of the pages; decompress-then-attend does."""
+  batch, seq, kv_heads, head_dim = 2, 1024, 2, 128
+  k, v = _kv(batch, seq, kv_heads, head_dim)
+  cache = zf.paged_cache_from_dense(k, v, np.array([1024, 1000]), compressed=True)
+  q = jnp.zeros((batch, kv_heads * 4, head_dim), jnp.bfloat16)
+  page_elems = kv_heads * cache.num_pages * 16 * head_dim
+  fused = _lower_text(lambda q, c: zf.paged_decode_attention(q, c, impl="pallas", interpret=False), q, cache)
+  assert "mosaic_gpu" in fused
+  assert max(_bf16_sizes(fused)) < page_elems // 8, "a BF16 buffer of page size exists in the fused path"
+  baseline = _lower_text(lambda q, c: zf.decompress_then_attend(q, c, impl="reference"), q, cache)
+  assert max(_bf16_sizes(baseline)) >= page_elems  # the check can fail
+
+
+def test_pallas_off_gpu_says_it_needs_a_gpu():
+  k, v = _kv(1, 32, 1, 64)
+  cache = zf.paged_cache_from_dense(k, v, np.array([20]))
+  q = jnp.zeros((1, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="Hopper GPU"):
+    zf.paged_decode_attention(q, cache, impl="pallas")
+  with pytest.raises(ValueError, match="impl"):
+    zf.paged_decode_attention(q, cache, impl="triton")
+
+
+def test_split_combine_equals_attention_over_all_tokens():
+  """Attention over token ranges plus their lse, merged by `_combine`, is attention over the union."""
+  rng = np.random.default_rng(3)
+  batch, kv_heads, group, head_dim, seq = 2, 2, 3, 64, 90
+  q = jnp.asarray(rng.normal(size=(batch, kv_heads * group, head_dim)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(batch, seq, kv_heads, head_dim)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(batch, seq, kv_heads, head_dim)), jnp.float32)
+  scale = 0.125
+
+  def attend(lo, hi):  # -> o [B, Hkv, G, D], lse2 [B, Hkv, G] (log2), empty range -> 0, -inf
+    qg = q.reshape(batch, kv_heads, group, head_dim)
+    s = jnp.einsum("bhgd,bshd->bhgs", qg, k[:, lo:hi]) * scale
+    if hi <= lo:
+      return jnp.zeros((batch, kv_heads, group, head_dim)), jnp.full((batch, kv_heads, group), -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    o = jnp.einsum("bhgs,bshd->bhgd", jnp.exp(s - lse[..., None]), v[:, lo:hi])
+    return o, lse / np.log(2.0)
+
+  parts = [attend(lo, hi) for lo, hi in ((0, 40), (40, 40), (40, 90))]
+  o = jnp.stack([p[0] for p in parts], axis=2)
+  lse2 = jnp.stack([p[1] for p in parts], axis=2)
+  got, got_lse2 = da._combine(o, lse2)
+  want, want_lse2 = attend(0, seq)
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(got_lse2, want_lse2, atol=1e-5, rtol=1e-5)
+  empty_o, empty_lse = da._combine(jnp.zeros((1, 1, 2, 1, 4)), jnp.full((1, 1, 2, 1), -jnp.inf))
+  assert np.all(np.asarray(empty_o) == 0) and np.all(np.isneginf(np.asarray(empty_lse)))
+
+
+@pytest.mark.parametrize("batch,kv_heads,max_pages,splits", [(32, 8, 128, 1), (8, 8, 512, 4), (1, 8, 2048, 32), (128, 8, 64, 1), (2, 3, 8, 1)])
+def test_heuristic_fills_the_gpu_without_tiny_splits(batch, kv_heads, max_pages, splits):
+  cfg = da.heuristic_config(batch, kv_heads, max_pages)
+  assert cfg.splits == splits
+  steps_per_split = -(-max_pages // da.STEP_PAGES) / cfg.splits
+  assert cfg.splits == 1 or steps_per_split >= 4
+
+
+def test_config_validates():
+  with pytest.raises(ValueError, match="splits"):
+    da.DecodeConfig(splits=0)
+  with pytest.raises(ValueError, match="stages"):
+    da.DecodeConfig(stages=9)
+
+
+def test_reference_scale_default_matches_kernel_contract():
+  assert reference.default_scale(128, None) == pytest.approx(128 ** -0.5)
