@@ -10,12 +10,29 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float32, Int32
+from jaxtyping import Array, BFloat16, Float32, Int32
 
 from models import layers as nn
 from models.configs import ModelConfig
 from models.params import DecoderParams
 from zipfusion_jax.kv_ops import KVBackend, Plan, State
+
+
+def causal_attention(
+    q: BFloat16[Array, "T Hq D"], k: BFloat16[Array, "T Hkv D"], v: BFloat16[Array, "T Hkv D"]
+) -> BFloat16[Array, "T Hq D"]:
+  """Dense causal GQA attention of a (padded) prompt; fp32 logits and softmax.
+
+  Causal masking alone suffices: padding rows sit after every real row. On GPU the cuDNN fused
+  kernel is tried first; the shapes, dtypes or cuDNN versions it refuses (at trace time) fall back
+  to XLA, which is also the CPU path.
+  """
+  if jax.default_backend() == "gpu":
+    try:
+      return jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True, implementation="cudnn")[0]
+    except (ValueError, NotImplementedError, RuntimeError):
+      pass
+  return jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True, implementation="xla")[0]
 
 
 def prefill(
@@ -38,8 +55,7 @@ def prefill(
   for i, layer in enumerate(params.layers):
     q, k, v = nn.attention_inputs(layer, h, positions, config)
     kv_state = backend.prefill_layer(kv_state, i, plan, k, v)
-    # Causal masking alone suffices: padding rows sit after every real row.
-    o = jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+    o = causal_attention(q, k, v)
     h = nn.block_output(layer, h, o, config)
   last = jax.lax.dynamic_slice_in_dim(h, length - 1, 1, axis=0)
   return nn.logits(params, last, config)[0], kv_state
