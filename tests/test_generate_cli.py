@@ -80,3 +80,10 @@ def test_corrupted_safetensors_checkpoint(tmp_path, capsys):
   assert main(["--prompt", "hi", "--safetensors", str(ckpt), "--json", str(tmp_path / "o.json")]) == 2
   err = capsys.readouterr().err
   assert "model.safetensors" in err and not (tmp_path / "o.json").exists()
+
+
+def test_kvstats_missing_text(tmp_path, capsys):
+  from zipfusion_jax.kvstats import main as kvstats_main
+
+  assert kvstats_main(["--text", str(tmp_path / "missing.txt")]) == 2
+  assert "missing.txt" in capsys.readouterr().err

@@ -96,3 +96,33 @@ def test_hf_tokenizer_dir_matches_gguf(smollm, tmp_path):
   (tmp_path / "tokenizer.json").write_text("{")
   with pytest.raises(ValueError, match="tokenizer.json"):
     tokenizer_from_hf_dir(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_batched_chat_and_plain_prompts(smollm):
+  tok = smollm.tokenizer
+  prompts = [PROMPT_IDS, tok.encode_chat("What is the capital of France?")]
+  gen = generate(smollm.params, smollm.config, prompts, 12, eos_ids=tok.eos_ids)
+  assert gen.token_ids[0][:8] == GREEDY_8  # a neighbouring slot does not change a greedy continuation
+  assert gen.token_ids[1] == [504, 3575, 282, 4649, 314, 7042, 30, 2]  # ends at <|im_end|>
+  assert tok.decode(gen.token_ids[1]) == "The capital of France is Paris."
+
+
+@pytest.mark.slow
+def test_cli_end_to_end(tmp_path):
+  import json
+  import os
+  import subprocess
+  import sys
+
+  out = tmp_path / "out.json"
+  text = tmp_path / "short.txt"
+  text.write_text("Hi.")
+  env = {**os.environ, "PYTHONPATH": os.getcwd()}
+  run = lambda *a: subprocess.run([sys.executable, "-m", *a], capture_output=True, text=True, env=env, timeout=600)
+  r = run("zipfusion_jax.generate", "--prompt", PROMPT, "--max-new-tokens", "8", "--json", str(out))
+  assert r.returncode == 0, r.stderr
+  assert r.stdout == " Paris.\n\nThe answer is:\n" and "tokens/s" in r.stderr
+  assert json.loads(out.read_text())["results"][0]["token_ids"] == GREEDY_8
+  r = run("zipfusion_jax.kvstats", "--text", str(text))
+  assert r.returncode == 2 and "no complete 16-token page" in r.stderr
