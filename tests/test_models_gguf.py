@@ -126,3 +126,50 @@ def test_cli_end_to_end(tmp_path):
   assert json.loads(out.read_text())["results"][0]["token_ids"] == GREEDY_8
   r = run("zipfusion_jax.kvstats", "--text", str(text))
   assert r.returncode == 2 and "no complete 16-token page" in r.stderr
+
+
+def _interleaved_rope(x, pos, inv_freq):
+  """llama.cpp's LLAMA_ROPE_TYPE_NORM: rotates adjacent pairs (2i, 2i + 1) of x [T, H, D]."""
+  ang = pos[:, None, None] * inv_freq[None, None, :]
+  even, odd = x[..., 0::2], x[..., 1::2]
+  out = np.empty_like(x)
+  out[..., 0::2] = even * np.cos(ang) - odd * np.sin(ang)
+  out[..., 1::2] = odd * np.cos(ang) + even * np.sin(ang)
+  return out
+
+
+def test_unpermuted_qk_with_rotate_half_rope_equal_llama_cpp_scores(smollm):
+  """Attention scores from the GGUF's own q/k rows under llama.cpp's interleaved RoPE equal ours
+  (un-permuted rows, rotate-half RoPE): the un-permutation is the right one, not merely plausible."""
+  from models.layers import rope_inv_freq
+  from models.loaders.gguf_checkpoint import dequantized
+
+  config = smollm.config
+  reader = open_gguf(embedded_gguf_path())
+  tensors = {t.name: t for t in reader.tensors}
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((12, config.hidden)).astype(np.float32)
+  pos = np.arange(100, 112, dtype=np.float32)
+  inv = rope_inv_freq(config.head_dim, config.rope_theta, None)
+  group = config.q_heads // config.kv_heads
+
+  def scores(q, k):  # [T, Hq, D], [T, Hkv, D] -> [Hq, T, T]
+    return np.einsum("qhd,khd->hqk", q, np.repeat(k, group, axis=1))
+
+  def rotate_half(x):
+    ang = pos[:, None, None] * inv[None, None, :]
+    x1, x2 = np.split(x, 2, axis=-1)
+    return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
+
+  shape = lambda a, heads: a.reshape(len(x), heads, config.head_dim)
+  for layer in (0, 17):
+    wq_gguf = dequantized(reader, tensors, f"blk.{layer}.attn_q.weight")  # [out, in], llama.cpp row order
+    wk_gguf = dequantized(reader, tensors, f"blk.{layer}.attn_k.weight")
+    ref = scores(_interleaved_rope(shape(x @ wq_gguf.T, 9), pos, inv), _interleaved_rope(shape(x @ wk_gguf.T, 3), pos, inv))
+    wq = unpermute_rows(wq_gguf, config.q_heads).T
+    wk = unpermute_rows(wk_gguf, config.kv_heads).T
+    ours = scores(rotate_half(shape(x @ wq, 9)), rotate_half(shape(x @ wk, 3)))
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-3 * np.abs(ref).max())
+    np.testing.assert_array_equal(np.asarray(smollm.params.layers[layer].wq), np.asarray(wq.astype(smollm.params.embed.dtype)))
+    wrong = scores(rotate_half(shape(x @ wq_gguf.T, 9)), rotate_half(shape(x @ wk_gguf.T, 3)))
+    assert np.abs(wrong - ref).max() > 0.1 * np.abs(ref).max()  # skipping the un-permutation is caught

@@ -68,6 +68,9 @@ def test_bad_config(checkpoint, tmp_path_factory):
   config_path.write_text(json.dumps({**hf, "model_type": "gpt2"}))
   with pytest.raises(ValueError, match="model_type 'gpt2'"):
     load_safetensors(str(checkpoint))
+  config_path.write_text(json.dumps({**hf, "attention_bias": True}))
+  with pytest.raises(ValueError, match="attention_bias"):
+    load_safetensors(str(checkpoint))
   config_path.write_text(json.dumps({**hf, "hidden_size": 128}))
   with pytest.raises(ValueError, match="has shape"):
     load_safetensors(str(checkpoint))

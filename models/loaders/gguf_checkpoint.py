@@ -110,7 +110,8 @@ def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
   return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensor(reader: gguf.GGUFReader, tensors: dict, name: str) -> np.ndarray:
+def dequantized(reader: gguf.GGUFReader, tensors: dict, name: str) -> np.ndarray:
+  """Tensor `name` as float32 in the file's own row order ([out, in] for linear weights)."""
   t = tensors.get(name)
   if t is None:
     raise ValueError(f"{reader.data.filename}: tensor {name!r} is missing")
@@ -128,7 +129,7 @@ def params_from_gguf(reader: gguf.GGUFReader, config: ModelConfig) -> DecoderPar
   bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)
 
   def load(name, transpose, expected):
-    w = _tensor(reader, tensors, name)
+    w = dequantized(reader, tensors, name)
     if transpose:
       w = w.T
     if w.shape != expected:

@@ -43,6 +43,11 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
   model_type = hf.get("model_type")
   if model_type not in _MODEL_TYPES:
     raise ValueError(f"{name}: model_type {model_type!r} is not supported (only {_MODEL_TYPES})")
+  for flag in ("attention_bias", "mlp_bias"):
+    if hf.get(flag):
+      raise ValueError(f"{name}: {flag}=true is not supported (the decoder has no biases)")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"{name}: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
   scaling = hf.get("rope_scaling")
   rope_scaling = None
   if scaling:
