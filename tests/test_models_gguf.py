@@ -9,6 +9,7 @@ from models import get_config
 from models.generate_simple import generate
 from models.loaders import resolve
 from models.loaders.gguf_checkpoint import embedded_gguf_path, open_gguf, unpermute_rows
+from test_models_gguf_tiny import llama_cpp_permute
 from zipfusion_jax import eligibility_report
 from zipfusion_jax.kvstats import format_reports, prompt_kv
 
@@ -32,9 +33,6 @@ def test_config_from_metadata_matches_registry(smollm):
 
 
 def test_unpermute_inverts_llama_cpp_permute():
-  def llama_cpp_permute(w, heads):  # convert_hf_to_gguf.py, LlamaModel.permute
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
   w = np.arange(3 * 64 * 5).reshape(3 * 64, 5)
   np.testing.assert_array_equal(unpermute_rows(llama_cpp_permute(w, 3), 3), w)
   assert not np.array_equal(llama_cpp_permute(w, 3), w)

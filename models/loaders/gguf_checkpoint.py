@@ -81,6 +81,9 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelC
   if "rope_freqs.weight" in names:
     raise ValueError(f"{reader.data.filename}: per-frequency RoPE factors (rope_freqs.weight) are not supported; "
                      "load the Hugging Face safetensors checkpoint instead")
+  scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+  if scaling != "none":
+    raise ValueError(f"{reader.data.filename}: RoPE scaling {scaling!r} is not supported")
   heads = int(_field(reader, f"{arch}.attention.head_count"))
   hidden = int(_field(reader, f"{arch}.embedding_length"))
   return ModelConfig(
