@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from models import get_config
+from models.layers import rope_inv_freq
 from models.loaders.gguf_checkpoint import load_gguf
 from models.params import random_params
 
@@ -18,6 +19,7 @@ def llama_cpp_permute(w, heads):  # convert_hf_to_gguf.py, LlamaModel.permute (r
 
 
 def write_gguf(path, config, params, arch, rope_scaling_type=None):
+  """Metadata and F32 tensors as convert_hf_to_gguf.py writes them (Llama-3.1 scaling as rope_freqs divisors)."""
   w = gguf.GGUFWriter(str(path), arch)
   w.add_block_count(config.layers)
   w.add_context_length(config.max_position)
@@ -32,6 +34,10 @@ def write_gguf(path, config, params, arch, rope_scaling_type=None):
   if rope_scaling_type:
     w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling_type))
   f32 = lambda a: np.asarray(a, np.float32)
+  if config.rope_scaling is not None:
+    plain = rope_inv_freq(config.head_dim, config.rope_theta, None)
+    w.add_tensor("rope_freqs.weight", plain / rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))
+    w.add_uint32(f"{arch}.rope.scaling.original_context_length", config.rope_scaling.original_max_position)
   w.add_tensor("token_embd.weight", f32(params.embed))
   w.add_tensor("output_norm.weight", f32(params.final_norm))
   if params.lm_head is not None:
@@ -55,7 +61,7 @@ def write_gguf(path, config, params, arch, rope_scaling_type=None):
 
 @pytest.mark.parametrize("name, arch", [("tiny-llama3", "llama"), ("tiny-qwen3", "qwen3")])
 def test_tiny_gguf_round_trip(tmp_path, name, arch):
-  config = dataclasses.replace(get_config(name), rope_scaling=None)  # GGUF metadata carries no Llama-3.1 scaling
+  config = get_config(name)
   params = random_params(config, jax.random.key(5))
   write_gguf(tmp_path / "m.gguf", config, params, arch)
   loaded_config, loaded, _ = load_gguf(str(tmp_path / "m.gguf"), name=config.name)
@@ -67,4 +73,12 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
   config = dataclasses.replace(get_config("tiny-llama3"), rope_scaling=None)
   write_gguf(tmp_path / "m.gguf", config, random_params(config, jax.random.key(0)), "llama", rope_scaling_type="yarn")
   with pytest.raises(ValueError, match="RoPE scaling 'yarn'"):
+    load_gguf(str(tmp_path / "m.gguf"))
+
+
+def test_rope_freqs_off_the_llama31_rule_are_refused(tmp_path):
+  config = get_config("tiny-llama3")
+  bent = dataclasses.replace(config, rope_scaling=dataclasses.replace(config.rope_scaling, high_freq_factor=2.0))
+  write_gguf(tmp_path / "m.gguf", bent, random_params(config, jax.random.key(0)), "llama")
+  with pytest.raises(ValueError, match="does not follow the Llama-3.1 scaling rule"):
     load_gguf(str(tmp_path / "m.gguf"))

