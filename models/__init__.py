@@ -1,5 +1,11 @@
-"""Decoder models that run on the ZipFusion KV cache (the Flax decoder lands with the model issue)."""
+"""Decoder models that run on the ZipFusion KV cache.
 
-from models.configs import CONFIGS, ModelConfig, get_config
+`configs` (named shapes), `params` (the BF16 weight pytree), `layers` + `decoder` (pure-function
+Llama-3.1 / Qwen3 prefill and decode over a `zipfusion_jax.kv_ops.KVBackend`; no NNX or Linen
+modules), `reference` (fp32 full-sequence forward), `dense_backend` (an uncompressed reference
+backend), `generate_simple` (generation over it), `loaders/` (GGUF, safetensors, tokenizers).
+"""
 
-__all__ = ["CONFIGS", "ModelConfig", "get_config"]
+from models.configs import CONFIGS, ModelConfig, RopeScaling, get_config
+
+__all__ = ["CONFIGS", "ModelConfig", "RopeScaling", "get_config"]

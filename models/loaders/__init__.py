@@ -1,0 +1,1 @@
+"""Checkpoint loaders: GGUF (the embedded SmolLM2 model), Hugging Face safetensors, tokenizers."""
