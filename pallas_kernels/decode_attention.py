@@ -199,7 +199,8 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
         in_split = page < end_page
         is_page = in_split & (page < full_pages)
         is_tail = in_split & (page == full_pages)
-        phys = page_table_ref[b, jnp.minimum(page, max_pages - 1)]
+        # Entries past a sequence's pages may be stale: clamp so the metadata load stays in bounds.
+        phys = jnp.clip(page_table_ref[b, jnp.minimum(page, max_pages - 1)], 0, store_b.shape[1] - 1)
         rows = pl.ds(s * PAGE_SIZE, PAGE_SIZE)
         words = []
         for kind, (tail_ref, stage_smem) in enumerate(((k_tail_ref, k_smem), (v_tail_ref, v_smem))):
