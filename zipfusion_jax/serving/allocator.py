@@ -106,21 +106,14 @@ class ChunkAllocator:
 
   # --- reserve / commit / release -------------------------------------------------
 
-  def _room(self, layer: int) -> int:
-    c = int(self.current[layer])
-    return 0 if c < 0 else self.cfg.chunk_units - int(self.fill[c])
+  def _rooms(self) -> np.ndarray:
+    """int [L]: units left in each layer's current chunk (0 without one)."""
+    return np.where(self.current >= 0, self.cfg.chunk_units - self.fill[np.maximum(self.current, 0)], 0)
 
-  def _layer_plan(self, layer: int, n: int) -> tuple[list[int], int]:
-    """Worst-case run plan of n pages in one layer: (slot per page: -1 = current, k = k-th new chunk), chunks."""
-    cfg = self.cfg
-    room, new, where = self._room(layer), 0, []
-    for _ in range(n):
-      if room < cfg.page_units:
-        new += 1
-        room = cfg.chunk_units
-      room -= cfg.page_units
-      where.append(new - 1)
-    return where, new
+  def _new_chunks(self, n: int) -> np.ndarray:
+    """int [L]: fresh chunks each layer needs for n more raw pages."""
+    here = np.minimum(n, self._rooms() // self.cfg.page_units)
+    return -(-(n - here) // self.cfg.chunk_pages)
 
   def check_reserve(self, n: int) -> str | None:
     """Why `reserve(n)` would be refused, or None when it would succeed (changes nothing)."""
@@ -128,7 +121,7 @@ class ChunkAllocator:
       return "a placement is reserved but not committed"
     if n > len(self.free_ids):
       return f"{n} pages need {n} page ids, {len(self.free_ids)} free"
-    need = sum(self._layer_plan(l, n)[1] for l in range(self.cfg.num_layers))
+    need = int(self._new_chunks(n).sum())
     if need > len(self.free_chunks):
       return f"{n} pages need {need} new chunks of {self.cfg.chunk_bytes} bytes over all layers, {len(self.free_chunks)} free"
     return None
@@ -142,21 +135,25 @@ class ChunkAllocator:
     reason = self.check_reserve(n)
     if reason is not None:
       raise AllocationRefused(reason)
-    L = self.cfg.num_layers
+    cfg = self.cfg
     self._current_before = self.current.copy()
     ids = np.array([self.free_ids.popleft() for _ in range(n)], np.int32)
-    dest = np.full((L, n), NO_PAGE, np.int32)
-    grants = []
-    for l in range(L):
-      where, new = self._layer_plan(l, n)
-      fresh = [self.free_chunks.popleft() for _ in range(new)]
-      for c in fresh:
-        self.owner[c], self.fill[c] = l, 0
-      dest[l] = [int(self.current[l]) if w < 0 else fresh[w] for w in where]
-      if fresh:
-        self.current[l] = fresh[-1]
-      grants.append(tuple(fresh))
-    self._pending = Placement(ids, dest, tuple(grants))
+    # Pages go to the current chunk while a raw page fits its room, then chunk_pages at a time to fresh ones.
+    here = np.minimum(n, self._rooms() // cfg.page_units)  # [L]
+    new = -(-(n - here) // cfg.chunk_pages)
+    fresh = np.array([self.free_chunks.popleft() for _ in range(int(new.sum()))], np.int32)
+    first = np.cumsum(new) - new  # each layer's first fresh chunk in `fresh`
+    page = np.arange(n)[None, :]
+    k = np.maximum(page - here[:, None], 0) // cfg.chunk_pages  # [L, n] fresh-chunk index when not current
+    in_current = page < here[:, None]
+    index = np.minimum(first[:, None] + k, max(fresh.size - 1, 0))
+    dest = np.where(in_current, self.current[:, None], fresh[index] if fresh.size else NO_PAGE)
+    grants = tuple(tuple(fresh[first[l] : first[l] + new[l]].tolist()) for l in range(cfg.num_layers))
+    for l, g in enumerate(grants):
+      if g:
+        self.owner[list(g)], self.fill[list(g)] = l, 0
+        self.current[l] = g[-1]
+    self._pending = Placement(ids, dest.astype(np.int32), grants)
     return self._pending
 
   def commit(self, placement: Placement, step_units: np.ndarray) -> None:
@@ -169,13 +166,11 @@ class ChunkAllocator:
     lo, hi = cfg.min_page_units, cfg.page_units
     if placement.num_pages and (units.min() < lo or units.max() > hi):
       raise ValueError(f"page sizes {units.min()}..{units.max()} units lie outside [{lo}, {hi}]: device and host disagree")
-    for l in range(cfg.num_layers):
-      for i, pid in enumerate(placement.page_ids):
-        c, u = int(placement.dest_chunk[l, i]), int(units[l, i])
-        self.fill[c] += u
-        self.live_pages[c] += 1
-        self.live_units[c] += u
-        self.page_chunk[l, pid], self.page_size[l, pid] = c, u
+    dest, ids = placement.dest_chunk.astype(np.int64), placement.page_ids
+    np.add.at(self.fill, dest.ravel(), units.ravel())
+    np.add.at(self.live_pages, dest.ravel(), 1)
+    np.add.at(self.live_units, dest.ravel(), units.ravel())
+    self.page_chunk[:, ids], self.page_size[:, ids] = dest, units
     if np.any(self.fill > cfg.chunk_units):
       raise ValueError("a chunk overflowed: device and host disagree")
     self.measured_units += units.sum(axis=1)
@@ -196,18 +191,19 @@ class ChunkAllocator:
 
   def release(self, page_ids) -> None:
     """Free pages (a finished or preempted sequence's); chunks left with no live page return to the pool."""
-    for pid in page_ids:
-      pid = int(pid)
-      if self.page_chunk[0, pid] < 0:
-        raise ValueError(f"page id {pid} is not live")
-      for l in range(self.cfg.num_layers):
-        c = int(self.page_chunk[l, pid])
-        self.live_pages[c] -= 1
-        self.live_units[c] -= self.page_size[l, pid]
-        self.page_chunk[l, pid], self.page_size[l, pid] = -1, 0
-        if self.live_pages[c] == 0:
-          self._free_chunk(c)
-      self.free_ids.append(pid)
+    ids = np.asarray(list(page_ids), np.int64)
+    if not ids.size:
+      return
+    if np.any(self.page_chunk[0, ids] < 0) or len(set(ids.tolist())) != ids.size:
+      raise ValueError(f"page ids {ids.tolist()} are not all live (or repeat)")
+    chunks = self.page_chunk[:, ids].astype(np.int64)  # [L, m]
+    np.subtract.at(self.live_pages, chunks.ravel(), 1)
+    np.subtract.at(self.live_units, chunks.ravel(), self.page_size[:, ids].ravel())
+    self.page_chunk[:, ids], self.page_size[:, ids] = -1, 0
+    for c in np.unique(chunks).tolist():
+      if self.live_pages[c] == 0:
+        self._free_chunk(c)
+    self.free_ids.extend(ids.tolist())
 
   def _free_chunk(self, c: int) -> None:
     l = int(self.owner[c])
@@ -247,7 +243,7 @@ class ChunkAllocator:
   def worst_case_pages(self) -> int:
     """Exactly how many more pages `reserve` accepts (every block raw)."""
     cfg = self.cfg
-    fits = [self._room(l) // cfg.page_units for l in range(cfg.num_layers)]
+    fits = (self._rooms() // cfg.page_units).tolist()
     return self._max_pages(fits, [cfg.chunk_pages] * cfg.num_layers)
 
   def expected_pages(self) -> int:
@@ -260,7 +256,7 @@ class ChunkAllocator:
     cfg = self.cfg
     mean = self._mean_page_units()
     per_chunk = [int((cfg.chunk_units - cfg.page_units) // m) + 1 for m in mean]
-    rooms = [self._room(l) for l in range(cfg.num_layers)]
+    rooms = self._rooms().tolist()
     fits = [int((r - cfg.page_units) // m) + 1 if r >= cfg.page_units else 0 for r, m in zip(rooms, mean)]
     return max(self.worst_case_pages(), self._max_pages(fits, per_chunk))
 

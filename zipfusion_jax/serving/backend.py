@@ -104,6 +104,13 @@ class PagedBackend:
     Returns:
       (o bfloat16 [S, Hq, D], state); inactive slots attend over no tokens (o = 0).
     """
+    state = self.append_layer(state, layer, plan, k, v)
+    lengths = jnp.where(plan.active, plan.positions + 1, 0)
+    view = self.layer_view(state, layer, lengths, self.next_page_table(state, plan))
+    return paged_decode_attention(q, view, impl=self.attention_impl), state
+
+  def append_layer(self, state: ServingState, layer: int, plan: Plan, k, v) -> ServingState:
+    """The write half of `decode_layer`: tails, and the pages this completes encoded and placed."""
     cfg = self.cfg
     slots = jnp.arange(cfg.num_slots)
     row = plan.positions % PAGE_SIZE
@@ -114,11 +121,9 @@ class PagedBackend:
     completes = plan.active & (row == PAGE_SIZE - 1)
     state = self._place(state, layer, plan, jnp.stack([k_tail, v_tail], axis=2), completes)
     clear = lambda tail: jnp.where(completes[:, None, None, None], jnp.zeros_like(tail), tail)
-    k_tail, v_tail = clear(k_tail), clear(v_tail)
-    state = state.replace(k_tail=state.k_tail.at[layer].set(k_tail), v_tail=state.v_tail.at[layer].set(v_tail))
-    lengths = jnp.where(plan.active, plan.positions + 1, 0)
-    view = self.layer_view(state, layer, lengths, self.next_page_table(state, plan))
-    return paged_decode_attention(q, view, impl=self.attention_impl), state
+    return state.replace(
+        k_tail=state.k_tail.at[layer].set(clear(k_tail)), v_tail=state.v_tail.at[layer].set(clear(v_tail))
+    )
 
   def end_step(self, state: ServingState, plan: Plan) -> ServingState:
     """Commit the step's page table and lengths (after all layers)."""

@@ -184,9 +184,11 @@ class Engine:
       report.prefilled.append(req.rid)
       if req.done:
         report.finished.append(req.rid)
+    placement = None
     if sched.running:
       done, placement, preempted = sched.plan_decode()
       report.preempted = [r.rid for r in preempted]
+    if sched.running:
       lengths = {s: r.length for s, r in sched.running.items()}
       plan = decode_plan(cfg, lengths, [r.slot for r in done], placement)
       tokens = np.zeros(cfg.num_slots, np.int32)
@@ -199,6 +201,8 @@ class Engine:
       report.decoded = len(lengths)
       self.last_aux = aux
       report.finished += [r.rid for r in sched.decoded(done, placement, nxt)]
+    elif placement is not None:  # everything was preempted: nothing to decode
+      self.allocator.commit(placement, np.zeros((cfg.num_layers, 0), np.int32))
     self.steps += 1
     return report
 

@@ -10,8 +10,12 @@ Policy:
 * Each decode step reserves, at raw size, the pages it completes. When that
   is refused, the lowest-ordered running sequence is preempted (its pages
   freed, the request requeued to recompute its KV later) until it fits:
-  never truncated, never corrupted. One sequence alone always fits, because
-  `submit` rejects a request whose final KV exceeds an empty store at raw size.
+  never truncated, never corrupted.
+* Fragmentation: a chunk frees only when all its pages have, so a live page
+  pins the dead space of finished neighbours. Even the last running sequence
+  may then not fit; it is preempted too and its recompute prefill packs it
+  into fresh chunks. In an empty store every admitted request fits, because
+  `submit` rejects one whose final KV exceeds an empty store at raw size.
 """
 
 from __future__ import annotations
@@ -175,7 +179,7 @@ class Scheduler:
     return [self.running[s] for s in sorted(self.running) if self.running[s].length % PAGE_SIZE == PAGE_SIZE - 1]
 
   def plan_decode(self) -> tuple[list[Request], Placement, list[Request]]:
-    """Reserve this step's completed pages, preempting until they fit.
+    """Reserve this step's completed pages, preempting until they fit (possibly every running request).
 
     Returns:
       (completing requests in slot order, their placement, requests preempted now).
@@ -185,9 +189,7 @@ class Scheduler:
       done = self.completing()
       if self.allocator.check_reserve(len(done)) is None:
         return done, self.allocator.reserve(len(done)), preempted
-      if len(self.running) <= 1:
-        raise RuntimeError("a lone sequence did not fit: submit() admitted a request larger than the store")
-      victim = max(self.running.values(), key=lambda r: r.key)
+      victim = max(self.running.values(), key=lambda r: r.key)  # the last one too: see the module docstring
       self.preempt(victim)
       preempted.append(victim)
 

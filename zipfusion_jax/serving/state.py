@@ -22,6 +22,7 @@ live raw in the layer's tail page (`k_tail` / `v_tail`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.struct
@@ -56,7 +57,7 @@ class ServingConfig:
   num_slots: int
   max_pages: int
   num_chunks: int
-  chunk_pages: int = 16
+  chunk_pages: int = 32  # measured: 16 -> 1.250x, 32 -> 1.275x, 64 -> 1.281x tokens at Llama-3.1-8B shapes, 4 GiB (ideal 1.292x)
   num_page_ids: int = 0  # 0: derived (see __post_init__)
   compressed: bool = True
 
@@ -72,38 +73,38 @@ class ServingConfig:
     if self.num_chunks * self.chunk_units >= 1 << 30:
       raise ValueError(f"store of {self.num_chunks * self.chunk_units} units exceeds the 30-bit offset field")
 
-  @property
+  @functools.cached_property
   def blocks_per_page(self) -> int:
     return layout.blocks_per_page(self.head_dim)
 
-  @property
+  @functools.cached_property
   def groups_per_page(self) -> int:
     """Groups of one page id in one layer: K and V of every KV head."""
     return 2 * self.num_kv_heads
 
-  @property
+  @functools.cached_property
   def page_units(self) -> int:
     """Raw (worst-case) units of one page in one layer."""
     return self.groups_per_page * self.blocks_per_page * B.RAW_UNITS
 
-  @property
+  @functools.cached_property
   def min_page_units(self) -> int:
     """Units of one page in one layer when every block is compressed."""
     return self.groups_per_page * self.blocks_per_page * (B.COMPRESSED_UNITS if self.compressed else B.RAW_UNITS)
 
-  @property
+  @functools.cached_property
   def chunk_units(self) -> int:
     return self.chunk_pages * self.page_units
 
-  @property
+  @functools.cached_property
   def chunk_bytes(self) -> int:
     return self.chunk_units * B.UNIT_BYTES
 
-  @property
+  @functools.cached_property
   def store_units(self) -> int:
     return self.num_chunks * self.chunk_units
 
-  @property
+  @functools.cached_property
   def max_length(self) -> int:
     """Longest sequence (tokens with KV) a slot holds; also the padded prefill length."""
     return self.max_pages * PAGE_SIZE
@@ -114,7 +115,7 @@ class ServingConfig:
     by_store = self.store_units // (self.num_layers * self.min_page_units)
     return max(1, min(self.num_slots * self.max_pages, by_store))
 
-  @property
+  @functools.cached_property
   def plan_width(self) -> int:
     """N of the per-page plan fields and of the readback: max(S, max_pages)."""
     return max(self.num_slots, self.max_pages)
