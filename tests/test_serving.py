@@ -234,3 +234,31 @@ def test_pallas_encoder_writes_the_same_state():
     states.append(jax.device_get(engine.state))
   for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_last_sequence_pinned_by_dead_space_is_preempted_and_recomputed():
+  """A, B decode in lockstep so each chunk holds one page of each; when B is preempted its dead pages stay
+  pinned by A's, so A alone no longer fits: A is preempted too and its recompute packs it into fresh chunks."""
+  from zipfusion_jax.serving.invariants import _chunk_violations, _page_violations
+  from zipfusion_jax.serving.scheduler import Scheduler
+
+  cfg = ServingConfig(num_layers=1, num_kv_heads=1, head_dim=64, num_slots=2, max_pages=6, num_chunks=3, chunk_pages=2)
+  alloc = ChunkAllocator(cfg)
+  sched = Scheduler(cfg, alloc, overcommit=2.0)
+  a, b = sched.submit(range(10), 70), sched.submit(range(10), 70)
+  lone_preemptions = 0
+  for _ in range(400):
+    if sched.running or sched.waiting:
+      admitted = sched.admit()
+      if admitted is not None:
+        req, slot, placement = admitted
+        alloc.commit(placement, np.full((1, placement.num_pages), cfg.page_units))
+        sched.started(req, slot, placement, 0)
+      done, placement, preempted = sched.plan_decode()
+      lone_preemptions += bool(preempted) and not sched.running  # the last one went too
+      alloc.commit(placement, np.full((1, len(done)), cfg.page_units))
+      sched.decoded(done, placement, np.zeros(cfg.num_slots, np.int32))
+      assert _chunk_violations(alloc) + _page_violations(alloc, list(sched.running.values())) == []
+  assert a.preemptions >= 1 and b.preemptions >= 1 and lone_preemptions >= 1
+  assert {r.rid for r in sched.finished} == {a.rid, b.rid}
+  assert all(len(r.generated) == 70 for r in (a, b))
