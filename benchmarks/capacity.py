@@ -144,7 +144,7 @@ def allocator_overhead(batch: int = 64, context: int = 8192, steps: int = 200, s
   new_tokens = 2 * steps + 16
   max_pages = -(-(context + new_tokens) // PAGE_SIZE)
   shape = dict(num_layers=mc.layers, num_kv_heads=mc.kv_heads, head_dim=mc.head_dim, num_slots=batch, max_pages=max_pages)
-  chunk_pages = ServingConfig(num_chunks=1, **shape).chunk_pages
+  chunk_pages = ServingConfig(num_chunks=mc.layers, **shape).chunk_pages
   cfg = ServingConfig(num_chunks=-(-batch * max_pages // chunk_pages) * mc.layers + mc.layers, **shape)
   rng = np.random.default_rng(seed)
   sizes = _page_units_from_blocks(np.array([True] * 9 + [False]), np.array([True] * 13 + [False]), cfg, mc.layers, 512, rng)

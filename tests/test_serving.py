@@ -13,7 +13,7 @@ from zipfusion_jax.format import block as B
 from zipfusion_jax.serving.allocator import AllocationRefused, ChunkAllocator
 from zipfusion_jax.serving.backend import PagedBackend
 from zipfusion_jax.serving.engine import Engine, decode_plan, prefill_plan
-from zipfusion_jax.serving.invariants import _dense_kv, check_invariants
+from zipfusion_jax.serving.invariants import _dense_kv
 from zipfusion_jax.serving.scheduler import RequestTooLarge
 from zipfusion_jax.serving.standin import StandInDecoder
 from zipfusion_jax.serving.state import PlanError, ServingConfig, check_plan
@@ -262,3 +262,13 @@ def test_last_sequence_pinned_by_dead_space_is_preempted_and_recomputed():
   assert a.preemptions >= 1 and b.preemptions >= 1 and lone_preemptions >= 1
   assert {r.rid for r in sched.finished} == {a.rid, b.rid}
   assert all(len(r.generated) == 70 for r in (a, b))
+
+
+def test_budget_geometry():
+  shape = dict(num_layers=4, num_kv_heads=2, head_dim=128, num_slots=2, max_pages=8, chunk_pages=4)
+  cfg = ServingConfig.from_budget(10 << 20, **shape)
+  assert cfg.store_bytes + cfg.metadata_bytes <= 10 << 20 < cfg.store_bytes + cfg.metadata_bytes + cfg.chunk_bytes
+  with pytest.raises(ValueError, match="fewer chunks"):
+    ServingConfig.from_budget(cfg.chunk_bytes * 3, **shape)
+  with pytest.raises(ValueError, match="no page fits in every layer"):
+    ServingConfig(num_chunks=3, **shape)

@@ -66,6 +66,8 @@ class ServingConfig:
     for name in ("num_layers", "num_kv_heads", "num_slots", "max_pages", "num_chunks", "chunk_pages"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    if self.num_chunks < self.num_layers:
+      raise ValueError(f"num_chunks={self.num_chunks} < num_layers={self.num_layers}: no page fits in every layer")
     if self.num_page_ids == 0:
       object.__setattr__(self, "num_page_ids", self.max_live_pages)
     if self.num_page_ids < 1:
@@ -145,15 +147,15 @@ class ServingConfig:
     Page metadata depends on the page-id count, which depends on the store, so
     this iterates down from the metadata-free chunk count.
     """
-    probe = cls(num_chunks=1, **kwargs)
+    probe = cls(num_chunks=kwargs["num_layers"], **kwargs)
     chunks = budget_bytes // probe.chunk_bytes
-    while chunks >= 1:
+    while chunks >= probe.num_layers:
       cfg = cls(num_chunks=chunks, **kwargs)
       if cfg.store_bytes + cfg.metadata_bytes <= budget_bytes:
         return cfg
       over = cfg.store_bytes + cfg.metadata_bytes - budget_bytes
       chunks -= max(1, math.ceil(over / cfg.chunk_bytes))
-    raise ValueError(f"{budget_bytes=} holds no chunk of {probe.chunk_bytes} bytes")
+    raise ValueError(f"{budget_bytes=} holds fewer chunks of {probe.chunk_bytes} bytes than the {probe.num_layers} layers")
 
 
 @flax.struct.dataclass
