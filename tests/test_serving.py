@@ -172,6 +172,10 @@ def test_refusal_changes_nothing_and_freed_chunks_go_to_any_layer():
   for x, y in zip(before, (alloc.owner, alloc.fill, alloc.live_pages, alloc.page_chunk)):
     np.testing.assert_array_equal(x, y)
   assert free == (list(alloc.free_chunks), list(alloc.free_ids))
+  alloc.cancel(alloc.reserve(2))  # a step that did not run gives everything back
+  for x, y in zip(before, (alloc.owner, alloc.fill, alloc.live_pages, alloc.page_chunk)):
+    np.testing.assert_array_equal(x, y)
+  assert free == (list(alloc.free_chunks), list(alloc.free_ids))
   layer0 = set(np.flatnonzero(alloc.owner == 0).tolist())
   alloc.release(a.page_ids)
   assert alloc.capacity().free_bytes == cfg.store_bytes

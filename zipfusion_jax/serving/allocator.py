@@ -181,10 +181,10 @@ class ChunkAllocator:
     if placement is not self._pending:
       raise ValueError("cancel() takes the placement of the last reserve()")
     self._pending = None
-    for l, fresh in enumerate(placement.grants):
-      for c in reversed(fresh):
-        self.owner[c], self.fill[c] = -1, 0
-        self.free_chunks.appendleft(c)
+    taken = [c for fresh in placement.grants for c in fresh]  # in the order reserve() took them
+    for c in reversed(taken):
+      self.owner[c], self.fill[c] = -1, 0
+      self.free_chunks.appendleft(c)
     self.current = self._current_before
     for pid in reversed(placement.page_ids.tolist()):
       self.free_ids.appendleft(pid)
