@@ -165,22 +165,44 @@ def paged_cache_from_dense(k, v, lengths, page_size: int = PAGE_SIZE, compressed
   return PagedKVCache(**common, arena=arena, group_meta=group_meta, compressed=True)
 
 
+def encode_page_blocks(pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Encode K/V pages block by block (no placement).
+
+  Args:
+    pages: bfloat16 [..., 2 (K, V), 16, D].
+
+  Returns:
+    (rows uint8 [..., 2, nblocks, 1024] from `encode_rows`, meta_bytes int32
+    [..., 2, 4]: the group slot bytes, META_ABSENT past the page's blocks).
+  """
+  bits = B.to_bits(kv_page_blocks(pages))  # [..., 2, nblocks, 512]
+  eligible, half_base = B.block_half_base(bits)
+  meta_byte = B.block_meta_byte(eligible, half_base)  # [..., 2, nblocks]
+  return B.encode_rows(bits, meta_byte), pad_absent_slots(meta_byte)
+
+
+def kv_page_blocks(pages: jax.Array) -> jax.Array:
+  """bfloat16 [..., 2 (K, V), 16, D] -> [..., 2, D // 32, 512]: each page's blocks in position order."""
+  return jnp.stack([layout.pages_to_blocks(pages[..., i, :, :], kind) for i, kind in enumerate(KINDS)], axis=-3)
+
+
+def pad_absent_slots(meta_byte: jax.Array) -> jax.Array:
+  """int32 [..., nblocks] -> [..., 4]: a page's group slot bytes, META_ABSENT past its blocks."""
+  absent = jnp.full((*meta_byte.shape[:-1], B.BLOCKS_PER_GROUP - meta_byte.shape[-1]), B.META_ABSENT, jnp.int32)
+  return jnp.concatenate([meta_byte, absent], axis=-1)
+
+
 @jax.jit
 def _encode_pages(pages: jax.Array):
   """bfloat16 [Hkv, P, 2, 16, D] -> (payload uint8 [cap], group_meta uint32 [Hkv, P, 2, 2], units)."""
   kv_heads, num_pages, _, _, head_dim = pages.shape
   nblocks = layout.blocks_per_page(head_dim)
-  blocks = jnp.stack(
-      [layout.pages_to_blocks(pages[:, :, i], kind) for i, kind in enumerate(KINDS)], axis=2
-  )  # [Hkv, P, 2, nblocks, 512]
-  bits = B.to_bits(blocks).reshape(-1, nblocks, B.VALUES_PER_BLOCK)
-  eligible, half_base = B.block_half_base(bits)
-  meta_byte = B.block_meta_byte(eligible, half_base)  # [G, nblocks]
-  absent = jnp.full((meta_byte.shape[0], B.BLOCKS_PER_GROUP - nblocks), B.META_ABSENT, jnp.int32)
-  _, group_meta, units = codec.pack_groups(jnp.concatenate([meta_byte, absent], axis=1))
+  rows, meta_bytes = encode_page_blocks(pages)
+  meta_bytes = meta_bytes.reshape(-1, B.BLOCKS_PER_GROUP)
+  _, group_meta, units = codec.pack_groups(meta_bytes)
   starts = codec.block_byte_offsets(group_meta)[:, :nblocks].reshape(-1)
-  rows = B.encode_rows(bits.reshape(-1, B.VALUES_PER_BLOCK), meta_byte.reshape(-1))
-  payload = codec.place_rows(rows, meta_byte.reshape(-1), starts, rows.shape[0] * B.ROW_BYTES)
+  rows = rows.reshape(-1, B.ROW_BYTES)
+  payload = codec.place_rows(rows, meta_bytes[:, :nblocks].reshape(-1), starts, rows.shape[0] * B.ROW_BYTES)
   return payload, group_meta.reshape(kv_heads, num_pages, 2, 2), units
 
 

@@ -1,0 +1,1 @@
+"""Serving: device KV state, chunk allocator, KV backend, scheduler and engine (issue 5)."""

@@ -1,0 +1,286 @@
+"""Host-side capacity: page ids and chunks of the shared store, in Python ints and numpy.
+
+The store is `num_chunks` fixed-size chunks shared by all layers. A layer
+writes its completed pages at the bump pointer of its *current* chunk; when
+the next page might not fit (the host decides at raw size, the worst case,
+because it learns a page's compressed size only from the step's readback)
+the layer takes a fresh chunk from the free pool. A chunk goes back to the
+pool when every page in it has been freed, whatever layer owned it.
+
+`reserve(n)` is all-or-nothing: it computes the page ids and chunks that n
+new pages need in every layer and raises `AllocationRefused` (with the
+reason) before changing anything. `commit(placement, step_units)` then
+records the sizes the device actually used (the per-step readback), which
+advances the bump pointers exactly as the device did.
+
+Byte accounting, per chunk owned by a layer:
+  live (pages in use) + dead (freed pages, held until the chunk frees)
+  + room (chunk_units - fill). Room of a layer's current chunk is *free*;
+  room of an older chunk is *stranded* (less than a raw page was left).
+  total = live + dead + stranded + free, exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from zipfusion_jax.format import block as B
+from zipfusion_jax.serving.state import NO_PAGE, PAGE_SIZE, ServingConfig
+
+
+class AllocationRefused(Exception):
+  """The store cannot hold what was asked; nothing was changed. `reason` says why."""
+
+  def __init__(self, reason: str):
+    super().__init__(reason)
+    self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where `reserve` puts n new pages (host numpy; the plan's page fields are built from it).
+
+  Attributes:
+    page_ids: int32 [n] new page ids, in page order.
+    dest_chunk: int32 [L, n] chunk of each page in each layer (consecutive runs).
+    grants: tuple of L tuples: chunks each layer takes fresh for these pages.
+  """
+
+  page_ids: np.ndarray
+  dest_chunk: np.ndarray
+  grants: tuple[tuple[int, ...], ...]
+
+  @property
+  def num_pages(self) -> int:
+    return int(self.page_ids.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+  """What the store holds and can still take, in bytes and in tokens of completed pages.
+
+  `worst_case_tokens` is exact: `reserve` succeeds for exactly
+  `worst_case_tokens // 16` more pages (every block raw). `expected_tokens`
+  assumes the measured mean page size (`ratio` = raw / measured).
+  Tail pages are per slot and are not part of the store.
+  """
+
+  total_bytes: int
+  live_bytes: int
+  dead_bytes: int
+  stranded_bytes: int
+  free_bytes: int
+  worst_case_tokens: int
+  expected_tokens: int
+  ratio: float
+  free_page_ids: int
+
+
+class ChunkAllocator:
+  """Page ids and chunk accounting of one `ServingConfig` (mirrors the device bump pointers).
+
+  Args:
+    cfg: the geometry.
+    prior_ratio: compression ratio assumed for `expected_tokens` before any page is measured.
+  """
+
+  def __init__(self, cfg: ServingConfig, prior_ratio: float = 1.0):
+    self.cfg = cfg
+    self.prior_ratio = float(prior_ratio)
+    L, C, P = cfg.num_layers, cfg.num_chunks, cfg.num_page_ids
+    self.owner = np.full(C, -1, np.int32)  # layer owning each chunk, -1 free
+    self.fill = np.zeros(C, np.int64)  # units bumped
+    self.live_pages = np.zeros(C, np.int64)
+    self.live_units = np.zeros(C, np.int64)
+    self.current = np.full(L, -1, np.int32)  # each layer's current chunk
+    self.free_chunks: collections.deque[int] = collections.deque(range(C))
+    self.free_ids: collections.deque[int] = collections.deque(range(P))
+    self.page_chunk = np.full((L, P), -1, np.int32)
+    self.page_size = np.zeros((L, P), np.int64)
+    self.measured_units = np.zeros(L, np.int64)  # per layer, all pages ever committed: the ratio
+    self.measured_pages = 0
+    self._pending: Placement | None = None
+
+  # --- reserve / commit / release -------------------------------------------------
+
+  def _rooms(self) -> np.ndarray:
+    """int [L]: units left in each layer's current chunk (0 without one)."""
+    return np.where(self.current >= 0, self.cfg.chunk_units - self.fill[np.maximum(self.current, 0)], 0)
+
+  def _new_chunks(self, n: int) -> np.ndarray:
+    """int [L]: fresh chunks each layer needs for n more raw pages."""
+    here = np.minimum(n, self._rooms() // self.cfg.page_units)
+    return -(-(n - here) // self.cfg.chunk_pages)
+
+  def check_reserve(self, n: int) -> str | None:
+    """Why `reserve(n)` would be refused, or None when it would succeed (changes nothing)."""
+    if self._pending is not None:
+      return "a placement is reserved but not committed"
+    if n > len(self.free_ids):
+      return f"{n} pages need {n} page ids, {len(self.free_ids)} free"
+    need = int(self._new_chunks(n).sum())
+    if need > len(self.free_chunks):
+      return f"{n} pages need {need} new chunks of {self.cfg.chunk_bytes} bytes over all layers, {len(self.free_chunks)} free"
+    return None
+
+  def reserve(self, n: int) -> Placement:
+    """Page ids and chunks for n new pages in every layer, at raw size; all or nothing.
+
+    Raises:
+      AllocationRefused: not enough page ids or chunks (nothing changed).
+    """
+    reason = self.check_reserve(n)
+    if reason is not None:
+      raise AllocationRefused(reason)
+    cfg = self.cfg
+    self._current_before = self.current.copy()
+    ids = np.array([self.free_ids.popleft() for _ in range(n)], np.int32)
+    # Pages go to the current chunk while a raw page fits its room, then chunk_pages at a time to fresh ones.
+    here = np.minimum(n, self._rooms() // cfg.page_units)  # [L]
+    new = -(-(n - here) // cfg.chunk_pages)
+    fresh = np.array([self.free_chunks.popleft() for _ in range(int(new.sum()))], np.int32)
+    first = np.cumsum(new) - new  # each layer's first fresh chunk in `fresh`
+    page = np.arange(n)[None, :]
+    k = np.maximum(page - here[:, None], 0) // cfg.chunk_pages  # [L, n] fresh-chunk index when not current
+    in_current = page < here[:, None]
+    index = np.minimum(first[:, None] + k, max(fresh.size - 1, 0))
+    dest = np.where(in_current, self.current[:, None], fresh[index] if fresh.size else NO_PAGE)
+    grants = tuple(tuple(fresh[first[l] : first[l] + new[l]].tolist()) for l in range(cfg.num_layers))
+    for l, g in enumerate(grants):
+      if g:
+        self.owner[list(g)], self.fill[list(g)] = l, 0
+        self.current[l] = g[-1]
+    self._pending = Placement(ids, dest.astype(np.int32), grants)
+    return self._pending
+
+  def commit(self, placement: Placement, step_units: np.ndarray) -> None:
+    """Record the units each reserved page took (int [L, n], the step's readback)."""
+    if placement is not self._pending:
+      raise ValueError("commit() takes the placement of the last reserve()")
+    self._pending = None
+    cfg = self.cfg
+    units = np.asarray(step_units)[:, : placement.num_pages].astype(np.int64)
+    lo, hi = cfg.min_page_units, cfg.page_units
+    if placement.num_pages and (units.min() < lo or units.max() > hi):
+      raise ValueError(f"page sizes {units.min()}..{units.max()} units lie outside [{lo}, {hi}]: device and host disagree")
+    dest, ids = placement.dest_chunk.astype(np.int64), placement.page_ids
+    np.add.at(self.fill, dest.ravel(), units.ravel())
+    np.add.at(self.live_pages, dest.ravel(), 1)
+    np.add.at(self.live_units, dest.ravel(), units.ravel())
+    self.page_chunk[:, ids], self.page_size[:, ids] = dest, units
+    if np.any(self.fill > cfg.chunk_units):
+      raise ValueError("a chunk overflowed: device and host disagree")
+    self.measured_units += units.sum(axis=1)
+    self.measured_pages += placement.num_pages
+
+  def cancel(self, placement: Placement) -> None:
+    """Undo a reserve whose step did not run (returns its ids and fresh chunks)."""
+    if placement is not self._pending:
+      raise ValueError("cancel() takes the placement of the last reserve()")
+    self._pending = None
+    taken = [c for fresh in placement.grants for c in fresh]  # in the order reserve() took them
+    for c in reversed(taken):
+      self.owner[c], self.fill[c] = -1, 0
+      self.free_chunks.appendleft(c)
+    self.current = self._current_before
+    for pid in reversed(placement.page_ids.tolist()):
+      self.free_ids.appendleft(pid)
+
+  def release(self, page_ids) -> None:
+    """Free pages (a finished or preempted sequence's); chunks left with no live page return to the pool."""
+    ids = np.asarray(list(page_ids), np.int64)
+    if not ids.size:
+      return
+    if np.any(self.page_chunk[0, ids] < 0) or len(set(ids.tolist())) != ids.size:
+      raise ValueError(f"page ids {ids.tolist()} are not all live (or repeat)")
+    chunks = self.page_chunk[:, ids].astype(np.int64)  # [L, m]
+    np.subtract.at(self.live_pages, chunks.ravel(), 1)
+    np.subtract.at(self.live_units, chunks.ravel(), self.page_size[:, ids].ravel())
+    self.page_chunk[:, ids], self.page_size[:, ids] = -1, 0
+    for c in np.unique(chunks).tolist():
+      if self.live_pages[c] == 0:
+        self._free_chunk(c)
+    self.free_ids.extend(ids.tolist())
+
+  def _free_chunk(self, c: int) -> None:
+    l = int(self.owner[c])
+    if self.current[l] == c:
+      self.current[l] = -1
+    self.owner[c], self.fill[c] = -1, 0
+    self.free_chunks.append(c)
+
+  # --- capacity ---------------------------------------------------------------------
+
+  @property
+  def ratio(self) -> float:
+    """Raw page size over the measured mean page size, all layers (prior until something is measured)."""
+    if self.measured_pages == 0:
+      return self.prior_ratio
+    return self.cfg.page_units * self.measured_pages * self.cfg.num_layers / int(self.measured_units.sum())
+
+  def _mean_page_units(self) -> np.ndarray:
+    """float [L]: measured mean units of a page in each layer (raw / prior before any)."""
+    if self.measured_pages == 0:
+      return np.full(self.cfg.num_layers, self.cfg.page_units / self.prior_ratio)
+    return self.measured_units / self.measured_pages
+
+  def _max_pages(self, fits, per_chunk) -> int:
+    """Largest n with sum_l ceil((n - fits[l]) / per_chunk[l]) <= free chunks (and free page ids)."""
+    free = len(self.free_chunks)
+
+    def need(n):
+      return sum(-(-max(0, n - f) // p) for f, p in zip(fits, per_chunk))
+
+    lo, hi = 0, min(len(self.free_ids), min(fits) + free * max(per_chunk))
+    while lo < hi:
+      mid = (lo + hi + 1) // 2
+      lo, hi = (mid, hi) if need(mid) <= free else (lo, mid - 1)
+    return lo
+
+  def worst_case_pages(self) -> int:
+    """Exactly how many more pages `reserve` accepts (every block raw)."""
+    cfg = self.cfg
+    fits = (self._rooms() // cfg.page_units).tolist()
+    return self._max_pages(fits, [cfg.chunk_pages] * cfg.num_layers)
+
+  def expected_pages(self) -> int:
+    """More pages the store should take at each layer's measured mean page size.
+
+    A page is placed while a raw page still fits, so a fresh chunk takes
+    about floor((chunk - raw) / mean) + 1 pages and a current chunk with room
+    r >= raw about floor((r - raw) / mean) + 1.
+    """
+    cfg = self.cfg
+    mean = self._mean_page_units()
+    per_chunk = [int((cfg.chunk_units - cfg.page_units) // m) + 1 for m in mean]
+    rooms = self._rooms().tolist()
+    fits = [int((r - cfg.page_units) // m) + 1 if r >= cfg.page_units else 0 for r, m in zip(rooms, mean)]
+    return max(self.worst_case_pages(), self._max_pages(fits, per_chunk))
+
+  def empty_worst_case_pages(self) -> int:
+    """Pages an empty store accepts at raw size: the most one sequence can ever be given."""
+    per_layer = self.cfg.num_chunks // self.cfg.num_layers * self.cfg.chunk_pages
+    return min(self.cfg.num_page_ids, per_layer)
+
+  def capacity(self) -> Capacity:
+    cfg = self.cfg
+    owned = self.owner >= 0
+    current = set(int(c) for c in self.current if c >= 0)
+    room = np.where(owned, cfg.chunk_units - self.fill, 0)
+    is_cur = np.zeros(cfg.num_chunks, bool)
+    is_cur[list(current)] = True
+    u = B.UNIT_BYTES
+    return Capacity(
+        total_bytes=cfg.store_bytes,
+        live_bytes=int(self.live_units.sum()) * u,
+        dead_bytes=int((self.fill - self.live_units)[owned].sum()) * u,
+        stranded_bytes=int(room[owned & ~is_cur].sum()) * u,
+        free_bytes=(len(self.free_chunks) * cfg.chunk_units + int(room[is_cur].sum())) * u,
+        worst_case_tokens=self.worst_case_pages() * PAGE_SIZE,
+        expected_tokens=self.expected_pages() * PAGE_SIZE,
+        ratio=self.ratio,
+        free_page_ids=len(self.free_ids),
+    )

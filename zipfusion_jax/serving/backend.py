@@ -1,0 +1,208 @@
+"""The KV backend of `zipfusion_jax.kv_ops`: pure per-layer updates of a `ServingState`.
+
+`PagedBackend(cfg)` implements `kv_ops.KVBackend` for both stores
+(`cfg.compressed`): a decode step appends each active slot's token to its
+tail page, and a page that this completes is encoded (compressed store: the
+jnp reference encoder, or the Pallas kernel with `encoder="pallas"`) and
+placed in the chunk the plan names, at that chunk's bump pointer, in the same
+jitted call. Attention builds a `PagedKVCache` view of one layer (arena
+shared, the layer's group_meta / tails, the step's page table and lengths)
+and calls `paged_decode_attention` on it.
+
+Placement rule (the host allocator relies on it): the completed pages of one
+layer in one step are taken in plan order; the pages bound for one chunk are
+consecutive and packed back to back from the chunk's bump pointer, each page
+as its 2 * Hkv groups in (head, K/V) order; the bump pointer advances by
+what they actually took, which the step reports in `state.step_units`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from zipfusion_jax.format import block as B
+from zipfusion_jax.format import codec
+from zipfusion_jax.paged.api import paged_decode_attention
+from zipfusion_jax.paged.cache import PagedKVCache, encode_page_blocks, kv_page_blocks, pad_absent_slots
+from zipfusion_jax.serving.state import PAGE_SIZE, Plan, ServingConfig, ServingState
+
+Encoder = Literal["reference", "pallas"]
+
+
+def _valid(index: jax.Array, size: int) -> jax.Array:
+  """Index for a `mode="drop"` scatter: -1 (or anything outside [0, size)) becomes `size`."""
+  return jnp.where((index >= 0) & (index < size), index, size)
+
+
+def _encode(pages: jax.Array, encoder: Encoder):
+  """bfloat16 [N, Hkv, 2, 16, D] -> (rows uint8 [N, Hkv, 2, nb, 1024], meta_bytes int32 [N, Hkv, 2, 4])."""
+  if encoder == "reference":
+    return encode_page_blocks(pages)
+  if encoder != "pallas":
+    raise ValueError(f"{encoder=} must be 'reference' or 'pallas'")
+  from pallas_kernels.compress import compress_pallas  # kernels sit above the format
+
+  blocks = kv_page_blocks(pages)  # [N, Hkv, 2, nb, 512]
+  c = compress_pallas(blocks.reshape(-1, B.VALUES_PER_BLOCK))
+  # The kernel packs blocks back to back; read each block's 1024-byte window back as its row.
+  starts = codec.block_byte_offsets(c.group_meta).reshape(-1)[: c.num_blocks]
+  index = starts[:, None] + jnp.arange(B.ROW_BYTES, dtype=jnp.int32)[None, :]
+  rows = jnp.take(c.payload, index, mode="fill", fill_value=0).reshape(*blocks.shape[:-1], B.ROW_BYTES)
+  meta = c.meta_bytes.reshape(-1)[: c.num_blocks].reshape(blocks.shape[:-1])
+  return rows, pad_absent_slots(meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedBackend:
+  """`kv_ops.KVBackend` over a `ServingState` (hashable; close over it in the jitted step).
+
+  Attributes:
+    cfg: the static geometry (its `compressed` picks the store).
+    encoder: "reference" (jnp, the spec; CPU) or "pallas" (the compression kernel).
+    attention_impl: passed to `paged_decode_attention` (None: its default).
+  """
+
+  cfg: ServingConfig
+  encoder: Encoder = "reference"
+  attention_impl: str | None = None
+
+  # --- kv_ops.KVBackend -------------------------------------------------------------
+
+  def prefill_layer(self, state: ServingState, layer: int, plan: Plan, k: jax.Array, v: jax.Array) -> ServingState:
+    """Write a prompt's K/V (bfloat16 [T, Hkv, D], T <= max_length) as slot `plan.prefill_slot`'s first tokens."""
+    cfg = self.cfg
+    pad = cfg.max_length + PAGE_SIZE - k.shape[0]
+    if pad < PAGE_SIZE:
+      raise ValueError(f"prefill of {k.shape[0]} tokens exceeds max_length={cfg.max_length}")
+
+    def paged(x):  # [T, Hkv, D] -> [max_pages + 1, Hkv, 16, D]
+      x = jnp.pad(x, ((0, pad), (0, 0), (0, 0)))
+      return x.reshape(cfg.max_pages + 1, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim).transpose(0, 2, 1, 3)
+
+    kp, vp = paged(k), paged(v)
+    n_full = plan.prefill_length // PAGE_SIZE
+    completes = jnp.arange(cfg.max_pages) < n_full
+    pages = jnp.stack([kp[: cfg.max_pages], vp[: cfg.max_pages]], axis=2)  # [max_pages, Hkv, 2, 16, D]
+    state = self._place(state, layer, plan, pages, completes)
+    # Tail: tokens [16 * n_full, length) of the prompt, zeros past them.
+    row = jnp.arange(PAGE_SIZE)
+    keep = (row < plan.prefill_length % PAGE_SIZE)[None, :, None]
+    take = lambda x: jnp.where(keep, jnp.take(x, n_full, axis=0), 0).astype(jnp.bfloat16)
+    slot = plan.prefill_slot
+    return state.replace(
+        k_tail=state.k_tail.at[layer, slot].set(take(kp)),
+        v_tail=state.v_tail.at[layer, slot].set(take(vp)),
+    )
+
+  def decode_layer(self, state: ServingState, layer: int, plan: Plan, q, k, v):
+    """Append each active slot's k/v (bfloat16 [S, Hkv, D]) and attend q (bfloat16 [S, Hq, D]).
+
+    Returns:
+      (o bfloat16 [S, Hq, D], state); inactive slots attend over no tokens (o = 0).
+    """
+    state = self.append_layer(state, layer, plan, k, v)
+    lengths = jnp.where(plan.active, plan.positions + 1, 0)
+    view = self.layer_view(state, layer, lengths, self.next_page_table(state, plan))
+    return paged_decode_attention(q, view, impl=self.attention_impl), state
+
+  def append_layer(self, state: ServingState, layer: int, plan: Plan, k, v) -> ServingState:
+    """The write half of `decode_layer`: tails, and the pages this completes encoded and placed."""
+    cfg = self.cfg
+    slots = jnp.arange(cfg.num_slots)
+    row = plan.positions % PAGE_SIZE
+    write = lambda tail, x: tail.at[slots, :, row].set(
+        jnp.where(plan.active[:, None, None], x, tail[slots, :, row]).astype(jnp.bfloat16)
+    )
+    k_tail, v_tail = write(state.k_tail[layer], k), write(state.v_tail[layer], v)
+    completes = plan.active & (row == PAGE_SIZE - 1)
+    state = self._place(state, layer, plan, jnp.stack([k_tail, v_tail], axis=2), completes)
+    clear = lambda tail: jnp.where(completes[:, None, None, None], jnp.zeros_like(tail), tail)
+    return state.replace(
+        k_tail=state.k_tail.at[layer].set(clear(k_tail)), v_tail=state.v_tail.at[layer].set(clear(v_tail))
+    )
+
+  def end_step(self, state: ServingState, plan: Plan) -> ServingState:
+    """Commit the step's page table and lengths (after all layers)."""
+    if plan.kind == "prefill":
+      slot = plan.prefill_slot
+      lengths = state.lengths.at[slot].set(plan.prefill_length)
+    else:
+      lengths = jnp.where(plan.active, plan.positions + 1, 0)
+    return state.replace(page_table=self.next_page_table(state, plan), lengths=lengths)
+
+  # --- views ----------------------------------------------------------------------
+
+  def next_page_table(self, state: ServingState, plan: Plan) -> jax.Array:
+    """int32 [S, max_pages]: the page table with this step's completed pages entered."""
+    cfg = self.cfg
+    if plan.kind == "prefill":
+      rows = jnp.full((cfg.max_pages,), plan.prefill_slot)
+      cols = jnp.arange(cfg.max_pages)
+    else:
+      rows = jnp.arange(cfg.num_slots)
+      cols = jnp.minimum(plan.positions // PAGE_SIZE, cfg.max_pages - 1)
+    rows = jnp.where(plan.new_pages >= 0, rows, cfg.num_slots)
+    return state.page_table.at[rows, cols].set(plan.new_pages, mode="drop")
+
+  def layer_view(self, state: ServingState, layer: int, lengths: jax.Array, page_table: jax.Array) -> PagedKVCache:
+    """One layer as a `PagedKVCache` (the shared store plus this layer's metadata and tails)."""
+    common = dict(lengths=lengths, k_tail=state.k_tail[layer], v_tail=state.v_tail[layer])
+    if self.cfg.compressed:
+      return PagedKVCache(
+          **common, page_table=page_table, arena=state.arena, group_meta=state.group_meta[layer], compressed=True
+      )
+    slot_table = state.page_slot[layer][jnp.clip(page_table, 0, self.cfg.num_page_ids - 1)]
+    return PagedKVCache(**common, page_table=slot_table, k_pages=state.k_pages, v_pages=state.v_pages, compressed=False)
+
+  # --- placement --------------------------------------------------------------------
+
+  def _place(self, state: ServingState, layer: int, plan: Plan, pages: jax.Array, completes: jax.Array):
+    """Encode `pages` (bfloat16 [N, Hkv, 2, 16, D]) and write those that `completes` (bool [N]) to the store."""
+    cfg = self.cfg
+    n = pages.shape[0]
+    C, P = cfg.num_chunks, cfg.num_page_ids
+    page_ids = jnp.where(completes, plan.new_pages, -1)
+    dest = jnp.where(completes, plan.dest_chunk[layer], -1)
+    fill = state.chunk_fill.at[_valid(plan.grants[layer], C)].set(0, mode="drop")
+    if cfg.compressed:
+      rows, meta_bytes = _encode(pages, self.encoder)  # [N, Hkv, 2, nb, 1024], [N, Hkv, 2, 4]
+      group_units = jnp.sum(B.block_units(meta_bytes), axis=-1)  # [N, Hkv, 2]
+    else:
+      group_units = jnp.full((n, cfg.num_kv_heads, 2), cfg.page_units // cfg.groups_per_page, jnp.int32)
+    page_units = jnp.where(completes, jnp.sum(group_units, axis=(1, 2)), 0)  # [N]
+    before = jnp.cumsum(page_units) - page_units
+    safe_dest = _valid(dest, C)
+    run_start = jnp.full((C + 1,), jnp.iinfo(jnp.int32).max, jnp.int32).at[safe_dest].min(before)[safe_dest]
+    start = jnp.clip(dest, 0) * cfg.chunk_units + fill[jnp.clip(dest, 0, C - 1)] + before - run_start  # [N] units
+    fill = fill.at[safe_dest].add(page_units, mode="drop")
+    width = cfg.plan_width
+    step_units = state.step_units.at[layer].set(jnp.pad(page_units, (0, width - n)))
+    state = state.replace(chunk_fill=fill, step_units=step_units)
+    safe_ids = _valid(page_ids, P)
+    if not cfg.compressed:
+      pool = start // cfg.page_units
+      k_src, v_src = pages[:, :, 0].transpose(1, 0, 2, 3), pages[:, :, 1].transpose(1, 0, 2, 3)
+      slot = jnp.where(completes, pool, cfg.num_chunks * cfg.chunk_pages)
+      return state.replace(
+          k_pages=state.k_pages.at[:, slot].set(k_src, mode="drop"),
+          v_pages=state.v_pages.at[:, slot].set(v_src, mode="drop"),
+          page_slot=state.page_slot.at[layer, safe_ids].set(pool, mode="drop"),
+      )
+    flat_units = group_units.reshape(n, -1)
+    group_start = start[:, None] + jnp.cumsum(flat_units, axis=1) - flat_units  # [N, 2 Hkv]
+    group_start = group_start.reshape(n, cfg.num_kv_heads, 2)
+    meta = codec.make_group_meta(group_start.reshape(-1), meta_bytes.reshape(-1, B.BLOCKS_PER_GROUP))
+    # (layer, :, ids) indexing puts the page axis first: the update is [N, Hkv, 2, 2].
+    group_meta = state.group_meta.at[layer, :, safe_ids].set(meta.reshape(n, cfg.num_kv_heads, 2, 2), mode="drop")
+    # Rows as 4 units each; a unit is stored iff it lies inside the block's stored size.
+    nb = cfg.blocks_per_page
+    block_start = group_start[..., None] + codec.block_offsets_in_group(meta_bytes)[..., :nb]  # [N, Hkv, 2, nb]
+    unit = jnp.arange(B.RAW_UNITS)
+    stored = (unit < B.block_units(meta_bytes[..., :nb])[..., None]) & completes[:, None, None, None, None]
+    target = jnp.where(stored, block_start[..., None] + unit, cfg.store_units)
+    arena = state.arena.at[target.reshape(-1)].set(rows.reshape(-1, B.UNIT_BYTES), mode="drop")
+    return state.replace(arena=arena, group_meta=group_meta)

@@ -1,0 +1,215 @@
+"""The serving loop: scheduler -> plan pytree -> jitted step (state donated) -> small readback.
+
+`Engine(model, backend)` owns the device state, the host allocator and the
+scheduler. One `step()`:
+
+1. admits waiting requests while capacity allows (at most
+   `max_prefills_per_step`): each runs one jitted prefill step;
+2. runs one jitted decode step for every running sequence.
+
+Each step reads back a fixed, small set of arrays: the next tokens, the
+model's `aux` (decode) and `state.step_units` int32 [L, max(S, max_pages)]
+(the units each completed page took), from which the host allocator advances
+its mirror of the bump pointers. There is no other host-device traffic.
+
+The model interface (what the Flax decoder provides; `standin.StandInDecoder`
+is the test double):
+
+  model.prefill(params, backend, state, plan, tokens int32 [max_length]) -> (next int32 [], state)
+  model.decode(params, backend, state, plan, tokens int32 [S]) -> (next int32 [S], aux, state)
+
+Both call `backend.prefill_layer` / `decode_layer` per layer and then
+`backend.end_step`. The slot count and padded prefill length are fixed, so
+each step compiles once for any batch composition (`Engine.traces` counts).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from zipfusion_jax.serving.allocator import ChunkAllocator, Placement
+from zipfusion_jax.serving.backend import PagedBackend
+from zipfusion_jax.serving.scheduler import Request, Scheduler
+from zipfusion_jax.serving.state import NO_PAGE, Plan, ServingConfig, ServingState, check_plan, init_state
+
+
+class Decoder(Protocol):
+  def prefill(self, params, backend, state, plan, tokens): ...
+
+  def decode(self, params, backend, state, plan, tokens): ...
+
+
+@dataclasses.dataclass
+class StepReport:
+  """What one `Engine.step()` did (request ids)."""
+
+  prefilled: list[int] = dataclasses.field(default_factory=list)
+  preempted: list[int] = dataclasses.field(default_factory=list)
+  finished: list[int] = dataclasses.field(default_factory=list)
+  decoded: int = 0
+  readback_bytes: int = 0
+
+
+def _grants(cfg: ServingConfig, placement: Placement, width: int) -> np.ndarray:
+  g = np.full((cfg.num_layers, cfg.max_grants(width)), NO_PAGE, np.int32)
+  for l, fresh in enumerate(placement.grants):
+    g[l, : len(fresh)] = fresh
+  return g
+
+
+def prefill_plan(cfg: ServingConfig, slot: int, length: int, placement: Placement) -> Plan:
+  """Host plan of one prefill (numpy leaves): the prompt's completed pages at `placement`."""
+  n = placement.num_pages
+  new_pages = np.full(cfg.max_pages, NO_PAGE, np.int32)
+  new_pages[:n] = placement.page_ids
+  dest = np.full((cfg.num_layers, cfg.max_pages), NO_PAGE, np.int32)
+  dest[:, :n] = placement.dest_chunk
+  return Plan(
+      positions=np.zeros(cfg.num_slots, np.int32),
+      active=np.zeros(cfg.num_slots, bool),
+      prefill_slot=np.int32(slot),
+      prefill_length=np.int32(length),
+      new_pages=new_pages,
+      dest_chunk=dest,
+      grants=_grants(cfg, placement, cfg.max_pages),
+      kind="prefill",
+  )
+
+
+def decode_plan(cfg: ServingConfig, lengths: dict[int, int], completing: list[int], placement: Placement) -> Plan:
+  """Host plan of one decode step: `lengths` {slot: cached tokens} of the running slots,
+  `completing` the slots (in order) whose page completes, placed at `placement`."""
+  S = cfg.num_slots
+  positions = np.zeros(S, np.int32)
+  active = np.zeros(S, bool)
+  for s, n in lengths.items():
+    positions[s], active[s] = n, True
+  new_pages = np.full(S, NO_PAGE, np.int32)
+  dest = np.full((cfg.num_layers, S), NO_PAGE, np.int32)
+  for i, s in enumerate(completing):
+    new_pages[s] = placement.page_ids[i]
+    dest[:, s] = placement.dest_chunk[:, i]
+  return Plan(
+      positions=positions,
+      active=active,
+      prefill_slot=np.int32(-1),
+      prefill_length=np.int32(0),
+      new_pages=new_pages,
+      dest_chunk=dest,
+      grants=_grants(cfg, placement, S),
+      kind="decode",
+  )
+
+
+class Engine:
+  """Continuous-batching engine over one `PagedBackend` (compressed or not).
+
+  Args:
+    model: a `Decoder` (prefill / decode as in the module docstring).
+    backend: the KV backend; its `cfg` fixes slots, pages and the store.
+    params: model parameters, passed through to the model.
+    max_prefills_per_step: admissions per `step()`.
+    prior_ratio: compression ratio assumed before any page is measured.
+    overcommit: the scheduler's admission factor (1.0: reserve exactly).
+  """
+
+  def __init__(self, model: Decoder, backend: PagedBackend, params: Any = None, *, max_prefills_per_step: int = 1,
+               prior_ratio: float = 1.0, overcommit: float = 1.0):
+    self.model, self.backend, self.params = model, backend, params
+    self.cfg = backend.cfg
+    self.allocator = ChunkAllocator(self.cfg, prior_ratio)
+    self.scheduler = Scheduler(self.cfg, self.allocator, overcommit)
+    self.state: ServingState = init_state(self.cfg)
+    self.max_prefills_per_step = max_prefills_per_step
+    self.traces: collections.Counter[str] = collections.Counter()
+    self.last_aux = None
+    self.steps = 0
+    self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
+    self._decode = jax.jit(self._decode_fn, donate_argnums=1)
+
+  def _prefill_fn(self, params, state, plan, tokens):
+    self.traces["prefill"] += 1
+    nxt, state = self.model.prefill(params, self.backend, state, plan, tokens)
+    return nxt, state
+
+  def _decode_fn(self, params, state, plan, tokens):
+    self.traces["decode"] += 1
+    return self.model.decode(params, self.backend, state, plan, tokens)
+
+  # --- requests ---------------------------------------------------------------------
+
+  def submit(self, prompt, max_new_tokens: int, priority: int = 0) -> Request:
+    """Queue a request (raises `RequestTooLarge` when it can never fit)."""
+    return self.scheduler.submit(prompt, max_new_tokens, priority)
+
+  @property
+  def idle(self) -> bool:
+    return not self.scheduler.waiting and not self.scheduler.running
+
+  # --- steps --------------------------------------------------------------------------
+
+  def run_prefill(self, plan: Plan, tokens: np.ndarray):
+    """Validate and run one prefill plan; returns the readback (next token, step_units)."""
+    check_plan(self.cfg, plan)
+    padded = np.zeros(self.cfg.max_length, np.int32)
+    padded[: len(tokens)] = tokens
+    nxt, self.state = self._prefill(self.params, self.state, plan, padded)
+    return jax.device_get((nxt, self.state.step_units))
+
+  def run_decode(self, plan: Plan, tokens: np.ndarray):
+    """Validate and run one decode plan; returns the readback (next tokens, aux, step_units)."""
+    check_plan(self.cfg, plan)
+    nxt, aux, self.state = self._decode(self.params, self.state, plan, np.asarray(tokens, np.int32))
+    return jax.device_get((nxt, aux, self.state.step_units))
+
+  def step(self) -> StepReport:
+    """Admit, then decode every running sequence once."""
+    report = StepReport()
+    sched, cfg = self.scheduler, self.cfg
+    for _ in range(self.max_prefills_per_step):
+      admitted = sched.admit()
+      if admitted is None:
+        break
+      req, slot, placement = admitted
+      tokens = req.prefill_tokens()
+      nxt, units = self.run_prefill(prefill_plan(cfg, slot, len(tokens), placement), np.asarray(tokens, np.int32))
+      report.readback_bytes += nxt.nbytes + units.nbytes
+      self.allocator.commit(placement, units)
+      sched.started(req, slot, placement, int(nxt))
+      report.prefilled.append(req.rid)
+      if req.done:
+        report.finished.append(req.rid)
+    placement = None
+    if sched.running:
+      done, placement, preempted = sched.plan_decode()
+      report.preempted = [r.rid for r in preempted]
+    if sched.running:
+      lengths = {s: r.length for s, r in sched.running.items()}
+      plan = decode_plan(cfg, lengths, [r.slot for r in done], placement)
+      tokens = np.zeros(cfg.num_slots, np.int32)
+      for s, r in sched.running.items():
+        tokens[s] = r.generated[-1]
+      nxt, aux, units = self.run_decode(plan, tokens)
+      report.readback_bytes += nxt.nbytes + aux.nbytes + units.nbytes
+      cols = [r.slot for r in done]
+      self.allocator.commit(placement, units[:, cols])
+      report.decoded = len(lengths)
+      self.last_aux = aux
+      report.finished += [r.rid for r in sched.decoded(done, placement, nxt)]
+    elif placement is not None:  # everything was preempted: nothing to decode
+      self.allocator.commit(placement, np.zeros((cfg.num_layers, 0), np.int32))
+    self.steps += 1
+    return report
+
+  def run(self, max_steps: int = 100_000) -> list[Request]:
+    """Step until every submitted request finished; returns them in finishing order."""
+    for _ in range(max_steps):
+      if self.idle:
+        return self.scheduler.finished
+      self.step()
+    raise RuntimeError(f"requests still pending after {max_steps} steps")
