@@ -1,4 +1,5 @@
-"""Notebooks execute top to bottom (slow tier)."""
+"""Notebooks execute top to bottom (slow tier): the format tour and the compressed/uncompressed attention
+comparison on the embedded SmolLM2's real KV."""
 
 import pathlib
 
@@ -7,6 +8,10 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+
+
+def test_notebooks_are_found():
+  assert {"format_tour.ipynb", "compare_attention.ipynb"} <= {p.name for p in NOTEBOOKS}
 
 
 @pytest.mark.slow
