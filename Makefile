@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow venv clean
+.PHONY: demo demo-format test test-slow venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
+	$(PY) -m zipfusion_jax.generate --chat --prompt "What is the capital of France?" --max-new-tokens 24
+
+demo-format: $(STAMP)
 	$(PY) -m zipfusion_jax.demo
 
 test: $(STAMP)

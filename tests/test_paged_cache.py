@@ -265,3 +265,21 @@ def test_empty_sequence_gives_zeros_and_leaves_others_alone(compressed):
   out2, lse2 = map(np.asarray, zf.paged_decode_attention(q[[0, 2]], alone, impl="reference", return_lse=True))
   np.testing.assert_array_equal(_bits(out[[0, 2]]), _bits(out2))
   np.testing.assert_array_equal(np.asarray(lse[[0, 2]]), np.asarray(lse2))
+
+
+def test_reference_ignores_nan_in_rows_past_the_length():
+  """Stale tail rows and pages past a sequence (the serving state keeps them) never reach the output."""
+  rng = np.random.default_rng(5)
+  k = jnp.asarray(rng.normal(size=(2, 40, 2, 64)), jnp.bfloat16)
+  v = jnp.asarray(rng.normal(size=(2, 40, 2, 64)), jnp.bfloat16)
+  q = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.bfloat16)
+  cache = zf.paged_cache_from_dense(k, v, np.array([21, 35]), compressed=False)
+  want = zf.paged_decode_attention(q, cache, impl="reference")
+  poisoned = cache.replace(
+      k_tail=cache.k_tail.at[:, :, 14:].set(jnp.nan), v_tail=cache.v_tail.at[:, :, 14:].set(jnp.inf),
+      # A stale page-table entry pointing at a page of NaNs that no live sequence owns.
+      k_pages=jnp.concatenate([cache.k_pages, jnp.full_like(cache.k_pages[:, :1], jnp.nan)], axis=1),
+      v_pages=jnp.concatenate([cache.v_pages, jnp.full_like(cache.v_pages[:, :1], jnp.nan)], axis=1),
+      page_table=cache.page_table.at[0, 1:].set(cache.num_pages))
+  got = zf.paged_decode_attention(q, poisoned, impl="reference")
+  assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))

@@ -4,12 +4,17 @@
     [--model NAME | --gguf PATH | --safetensors DIR] [--random-weights] [--chat]
     [--temperature T] [--seed S] [--json OUT]
 
-Defaults: the embedded SmolLM2-135M-Instruct, compressed KV, greedy. One prompt streams its tokens
-to stdout; the summary (tokens/s) goes to stderr. `--json` writes
-`{"results": [{"prompt", "prompt_ids", "token_ids", "text"}], "stats": {...}}` (token_ids: generated
-tokens only) through a temporary file and a rename, so a failed run leaves nothing behind.
-Errors (unknown model, prompt longer than the context, corrupted checkpoint) print one line on
-stderr and exit with status 2.
+Defaults: the embedded SmolLM2-135M-Instruct, compressed KV, greedy. The prompts run as one
+continuously batched workload through the serving engine (`zipfusion_jax/serving`: paged KV,
+completed pages in the 12-bit format with `--kv compressed`, a store of `--kv-memory-mib`,
+`--max-batch` sequence slots); decode attention is the fused kernel on a GPU and the jnp
+reference elsewhere. One prompt streams its tokens to stdout, several show a progress bar; the
+summary (tokens/s, KV bytes, compression ratio, eligible-block fraction) goes to stderr. `--json`
+writes `{"results": [{"prompt", "prompt_ids", "token_ids", "text"}], "stats": {...}}` (token_ids:
+generated tokens only, cut after the first end-of-sequence token) through a temporary file and a
+rename, so a failed run leaves nothing behind. Errors (unknown model, prompt longer than the
+context, a budget smaller than one request, corrupted checkpoint) print one line on stderr and
+exit with status 2.
 """
 
 from __future__ import annotations
@@ -60,15 +65,32 @@ def _load(args):
   return resolve.from_name(args.model or DEFAULT_MODEL, random_weights=args.random_weights, seed=args.seed)
 
 
-def _check_kv_memory(config, slots: int, max_len: int, mib: float | None) -> None:
-  """The dense cache holds K and V of every slot at full length; refuse before allocating it."""
-  if mib is None:
-    return
-  need = config.kv_bytes_per_token() * slots * max_len
-  if need > mib * 2**20:
-    raise ValueError(
-        f"KV cache for {slots} prompts x {max_len} tokens needs {need / 2**20:.1f} MiB > --kv-memory-mib {mib:g}"
-    )
+CHUNK_PAGES = 16  # raw pages of one layer per store chunk: fine-grained enough for small budgets
+
+
+def serving_config(config, prompt_lens, max_new_tokens: int, max_batch: int, compressed: bool, kv_memory_mib=None):
+  """The engine's geometry: slots, longest sequence, and a store from `--kv-memory-mib` (or room for all slots)."""
+  from zipfusion_jax.serving.state import PAGE_SIZE, ServingConfig
+
+  max_pages = -(-(max(prompt_lens) + max_new_tokens) // PAGE_SIZE)
+  shape = dict(num_layers=config.layers, num_kv_heads=config.kv_heads, head_dim=config.head_dim,
+               num_slots=min(max_batch, len(prompt_lens)), max_pages=max_pages, chunk_pages=CHUNK_PAGES,
+               compressed=compressed)
+  if kv_memory_mib is not None:
+    try:
+      return ServingConfig.from_budget(int(kv_memory_mib * 2**20), **shape)
+    except ValueError as e:
+      raise ValueError(f"--kv-memory-mib {kv_memory_mib:g} is too small for {config.name}: {e}") from None
+  per_layer = -(-shape["num_slots"] * max_pages // CHUNK_PAGES) + 1
+  return ServingConfig(num_chunks=config.layers * per_layer, **shape)
+
+
+def _cut_at_eos(ids, eos_ids):
+  """Generated ids up to and including the first end-of-sequence token."""
+  for n, t in enumerate(ids):
+    if t in eos_ids:
+      return ids[: n + 1]
+  return ids
 
 
 class _Streamer:
@@ -87,53 +109,110 @@ class _Streamer:
 
 
 def run(args: argparse.Namespace, out=None, err=None) -> dict:
-  """Load, generate, print (to `out`/`err`, default stdout/stderr); returns the JSON payload (written when `--json` is given)."""
+  """Load, generate through the serving engine, print (to `out`/`err`, default stdout/stderr).
+
+  Every prompt is one request of a continuously batched workload (`zipfusion_jax/serving`):
+  admitted while the KV store has room for it and for every running request's remaining
+  tokens, preempted and recomputed under pressure. Requests generate `--max-new-tokens` and
+  the output is cut after the first end-of-sequence token. Returns the JSON payload (written
+  when `--json` is given).
+  """
   out, err = out or sys.stdout, err or sys.stderr
-  from models.generate_simple import cache_len, check_fits, generate
+  import time
+
+  import jax
+
+  from models.generate_simple import check_fits
+  from zipfusion_jax.serving.backend import PagedBackend
+  from zipfusion_jax.serving.engine import Engine
+  from zipfusion_jax.serving.model import ModelDecoder
 
   model = _load(args)
   tok = model.tokenizer
   prompt_ids = [tok.encode_chat(p) if args.chat else tok.encode(p) for p in args.prompt]
   for ids in prompt_ids:
     check_fits(model.config, len(ids), args.max_new_tokens)
-  results, totals = [], dict(prefill_s=0.0, decode_s=0.0, new_tokens=0, prompt_tokens=0)
+  compressed = args.kv == "compressed"
+  cfg = serving_config(model.config, [len(p) for p in prompt_ids], args.max_new_tokens, args.max_batch, compressed,
+                       args.kv_memory_mib)
+  on_gpu = jax.default_backend() == "gpu"
+  engine = Engine(ModelDecoder(model.config, args.temperature, args.seed),
+                  PagedBackend(cfg, encoder="pallas" if on_gpu else "reference"), model.params)
   stream = len(args.prompt) == 1
-  for start in range(0, len(prompt_ids), args.max_batch):
-    batch = prompt_ids[start : start + args.max_batch]
-    _check_kv_memory(model.config, len(batch), cache_len([len(b) for b in batch], args.max_new_tokens), args.kv_memory_mib)
-    # TODO(integrator): swap in the serving engine (paged, compressed when --kv compressed); this
-    # path runs the reference DenseKVBackend for both --kv settings.
-    gen = generate(
-        model.params, model.config, batch, args.max_new_tokens, eos_ids=tok.eos_ids,
-        temperature=args.temperature, seed=args.seed + start, on_token=_Streamer(tok, out) if stream else None,
-    )
-    for i, ids in enumerate(gen.token_ids):
-      prompt = args.prompt[start + i]
-      text = tok.decode(ids)
-      results.append(dict(prompt=prompt, prompt_ids=batch[i], token_ids=ids, text=text))
-      if not stream:
-        out.write(f"--- {prompt}\n{text}\n")
-    totals["prefill_s"] += gen.prefill_s
-    totals["decode_s"] += gen.decode_s
-    totals["new_tokens"] += gen.new_tokens
-    totals["prompt_tokens"] += sum(len(b) for b in batch)
+  t0 = time.perf_counter()
+  from zipfusion_jax.serving.scheduler import RequestTooLarge
+
+  try:
+    requests = [engine.submit(ids, args.max_new_tokens) for ids in prompt_ids] if args.max_new_tokens else []
+  except RequestTooLarge as e:
+    budget = f"--kv-memory-mib {args.kv_memory_mib:g}" if args.kv_memory_mib is not None else "the KV store"
+    raise ValueError(f"a request can never fit {budget}: {e}") from None
+  streamer, shown = (_Streamer(tok, out), 0) if stream else (None, 0)
+  progress = None if stream or not requests else _progress(len(requests) * args.max_new_tokens, err)
+  peak_live, preemptions, steps = 0, 0, 0
+  while requests and not engine.idle:
+    report = engine.step()
+    steps += 1
+    preemptions += len(report.preempted)
+    peak_live = max(peak_live, engine.allocator.capacity().live_bytes)
+    if streamer is not None:
+      ids = _cut_at_eos(requests[0].generated, tok.eos_ids)
+      for t in ids[shown:]:
+        streamer(0, t)
+      shown = len(ids)
+    elif progress is not None:
+      progress.update(sum(len(r.generated) for r in requests) - progress.n)
+  elapsed = time.perf_counter() - t0
+  if progress is not None:
+    progress.close()
+  results = []
+  for i, ids in enumerate(prompt_ids):
+    gen = _cut_at_eos(list(requests[i].generated), tok.eos_ids) if requests else []
+    text = tok.decode(gen)
+    results.append(dict(prompt=args.prompt[i], prompt_ids=list(ids), token_ids=gen, text=text))
+    if not stream:
+      out.write(f"--- {args.prompt[i]}\n{text}\n")
   if stream:
     out.write("\n")
-  elapsed = totals["prefill_s"] + totals["decode_s"]
+  new_tokens = sum(len(r.generated) for r in requests)
+  alloc = engine.allocator
   stats = dict(
-      model=model.config.name, source=model.source, kv=args.kv, kv_backend="dense-reference",
-      prompts=len(args.prompt), **totals,
-      tokens_per_s=totals["new_tokens"] / elapsed if elapsed > 0 else 0.0,
+      model=model.config.name, source=model.source, kv=args.kv, kv_backend="serving-engine",
+      attention="fused Pallas kernel" if on_gpu else "jnp reference", prompts=len(args.prompt),
+      prompt_tokens=sum(len(p) for p in prompt_ids), new_tokens=new_tokens, elapsed_s=elapsed,
+      tokens_per_s=new_tokens / elapsed if elapsed > 0 else 0.0, steps=steps, preemptions=preemptions,
+      compiles=dict(engine.traces), kv_store_bytes=cfg.store_bytes + cfg.metadata_bytes,
+      kv_live_bytes_peak=peak_live, compression_ratio=alloc.ratio if alloc.measured_pages else None,
+      eligible_block_fraction=_eligible_fraction(cfg, alloc) if compressed else None,
   )
+  ratio = f"{stats['compression_ratio']:.3f}x" if stats["compression_ratio"] else "n/a (no page completed)"
+  elig = f", {stats['eligible_block_fraction']:.1%} of blocks in 12 bits" if stats["eligible_block_fraction"] is not None else ""
   err.write(
-      f"{stats['new_tokens']} tokens in {elapsed:.2f} s ({stats['tokens_per_s']:.1f} tokens/s; prefill "
-      f"{totals['prefill_s']:.2f} s, decode {totals['decode_s']:.2f} s; compile time included) "
-      f"[{model.config.name}, kv={args.kv} via the dense reference backend]\n"
+      f"{new_tokens} tokens in {elapsed:.2f} s ({stats['tokens_per_s']:.1f} tokens/s, compile time included; "
+      f"{steps} steps, {preemptions} preemptions) [{model.config.name}, kv={args.kv}]\n"
+      f"KV: store {stats['kv_store_bytes'] / 2**20:.1f} MiB, peak resident {peak_live / 2**20:.2f} MiB of completed "
+      f"pages, compression {ratio}{elig}\n"
   )
   payload = dict(results=results, stats=stats)
   if args.json:
     write_json_atomic(args.json, payload)
   return payload
+
+
+def _eligible_fraction(cfg, alloc) -> float | None:
+  """Blocks stored in 12 bits among all completed pages (a compressed block is 3 units, raw 4)."""
+  if not alloc.measured_pages:
+    return None
+  blocks = alloc.measured_pages * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.blocks_per_page
+  return 4.0 - float(alloc.measured_units.sum()) / blocks
+
+
+def _progress(total: int, err):
+  try:
+    from tqdm import tqdm
+  except ImportError:  # the GPU machine has no tqdm
+    return None
+  return tqdm(total=total, unit="tok", file=err, leave=False)
 
 
 def main(argv: list[str] | None = None) -> int:

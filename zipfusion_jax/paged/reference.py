@@ -68,13 +68,18 @@ def attend_dense(q, k, v, mask, sm_scale: float, return_lse: bool = False):
   batch, q_heads, head_dim = q.shape
   kv_heads = k.shape[1]
   qg = q.reshape(batch, kv_heads, q_heads // kv_heads, head_dim).astype(jnp.float32)
-  s = jnp.einsum("bhgd,bhtd->bhgt", qg, k.astype(jnp.float32)) * sm_scale
+  # Rows outside the mask (stale pages, a tail past the length) may hold anything, NaN
+  # included: zero them, since P = 0 there and 0 * NaN would still poison the sum.
+  keep = mask[:, None, :, None]
+  k = jnp.where(keep, k.astype(jnp.float32), 0.0)
+  v = jnp.where(keep, v.astype(jnp.float32), 0.0)
+  s = jnp.einsum("bhgd,bhtd->bhgt", qg, k) * sm_scale
   s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.exp(s - m_safe)
   l = jnp.sum(p, axis=-1, keepdims=True)
-  o = jnp.einsum("bhgt,bhtd->bhgd", p, v.astype(jnp.float32)) / jnp.where(l > 0, l, 1.0)
+  o = jnp.einsum("bhgt,bhtd->bhgd", p, v) / jnp.where(l > 0, l, 1.0)
   out = o.reshape(batch, q_heads, head_dim).astype(jnp.bfloat16)
   if return_lse:
     lse = jnp.where(l > 0, m_safe + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
