@@ -12,11 +12,10 @@ same in both stores and not counted). Writes a list of
 {"model", "budget_bytes", "tokens_uncompressed", "tokens_compressed", "capacity_ratio"}.
 
 K/V sources:
-* SmolLM2-135M (30 layers, 3 KV heads, head_dim 64): `smollm2_real_kv` is the
-  hook for real K/V from the embedded model with fp32 RoPE. The Flax decoder
-  is not on this branch yet, so it raises and the benchmark uses blocks drawn
-  at SmolLM2's measured statistics (87.7% of K blocks and 92.8% of V blocks
-  eligible, benchmarks/synthetic_kv.py); the model name says which was used.
+* SmolLM2-135M (30 layers, 3 KV heads, head_dim 64): real K/V from the embedded
+  model's prefill with fp32 RoPE (`smollm2_real_kv`); where the model package is
+  missing, blocks drawn at SmolLM2's measured statistics (87.7% of K blocks and
+  92.8% of V blocks eligible, benchmarks/synthetic_kv.py); the model name says which.
 * Llama-3.1-8B shapes (32 layers, 8 KV heads, head_dim 128): synthetic blocks
   at the same statistics.
 
@@ -54,10 +53,18 @@ SMOLLM2_ELIGIBLE = {"k": 0.877, "v": 0.928}  # measured on real SmolLM2 KV, fp32
 def smollm2_real_kv(num_tokens: int):
   """Real SmolLM2-135M K/V: (k, v) bfloat16 [layers, tokens, kv_heads, head_dim], RoPE'd in fp32.
 
-  To be replaced by the Flax decoder's prefill over a text prompt once `models/`
-  has it (the model issue); until then this raises and callers fall back.
+  The embedded model's prefill (`zipfusion_jax.kvstats.prompt_kv`) over this repository's own
+  documentation (English prose, tables and code), cut to `num_tokens`.
   """
-  raise NotImplementedError("the SmolLM2 Flax decoder is not on this branch; real K/V unavailable")
+  from models.loaders.resolve import from_name
+  from zipfusion_jax.kvstats import prompt_kv
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  text = "\n\n".join(p.read_text() for p in (root / "README.md", root / "docs" / "FORMAT.md", root / "docs" / "DECODE_KERNEL.md"))
+  m = from_name("smollm2-135m")
+  ids = m.tokenizer.encode(text)[:num_tokens]
+  k, v = prompt_kv(m.params, m.config, ids)  # [L, H, T, D]
+  return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
 def _eligible_pool(key, num_blocks: int, kind: str) -> np.ndarray:
@@ -101,7 +108,7 @@ def fill_until_refusal(cfg: ServingConfig, sizes: np.ndarray) -> int:
   return pages
 
 
-def capacity_entry(model: str, budget: int, seed: int = 0) -> dict:
+def capacity_entry(model: str, budget: int, seed: int = 0, real_kv_tokens: int = 2048) -> dict:
   mc = get_config(model)
   shape = dict(num_layers=mc.layers, num_kv_heads=mc.kv_heads, head_dim=mc.head_dim, num_slots=64, max_pages=512)
   raw_cfg = ServingConfig.from_budget(budget, compressed=False, **shape)
@@ -110,9 +117,9 @@ def capacity_entry(model: str, budget: int, seed: int = 0) -> dict:
   sizes = None
   if model.startswith("smollm2"):
     try:
-      k, v = smollm2_real_kv(4096)
-      sizes, source = _real_page_units(k, v, zip_cfg), "real SmolLM2 K/V, fp32 RoPE"
-    except NotImplementedError:
+      k, v = smollm2_real_kv(real_kv_tokens)
+      sizes, source = _real_page_units(k, v, zip_cfg), f"real SmolLM2 K/V of {k.shape[1]} tokens of this repo's docs, fp32 RoPE"
+    except (ImportError, FileNotFoundError):  # no model package (e.g. the GPU machine)
       pass
   if sizes is None:
     key_k, key_v = jax.random.split(jax.random.key(seed))
@@ -233,13 +240,14 @@ def main(argv=None):
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--context", type=int, default=8192)
   parser.add_argument("--out", type=pathlib.Path, default=None)
+  parser.add_argument("--real-kv-tokens", type=int, default=2048, help="SmolLM2 prefill length for real K/V")
   args = parser.parse_args(argv)
   if args.overhead:
     result = allocator_overhead(args.batch, args.context)
     out = args.out or pathlib.Path("benchmarks/results/allocator_overhead.json")
   else:
     budget = int(args.budget_gib * (1 << 30))
-    result = [capacity_entry(m, budget) for m in ("smollm2-135m", "llama3.1-8b")]
+    result = [capacity_entry(m, budget, real_kv_tokens=args.real_kv_tokens) for m in ("smollm2-135m", "llama3.1-8b")]
     out = args.out or pathlib.Path("benchmarks/results/capacity.json")
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=2) + "\n")

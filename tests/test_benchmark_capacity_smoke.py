@@ -9,9 +9,10 @@ from benchmarks import capacity
 
 def test_capacity_json_schema(tmp_path):
   out = tmp_path / "capacity.json"
-  capacity.main(["--budget-gib", "0.25", "--out", str(out)])
+  capacity.main(["--budget-gib", "0.25", "--real-kv-tokens", "256", "--out", str(out)])
   rows = json.loads(out.read_text())
   assert [r["model"].split()[0] for r in rows] == ["smollm2-135m", "llama3.1-8b"]
+  assert "real SmolLM2 K/V of 256 tokens" in rows[0]["model"]
   for r in rows:
     assert set(r) == {"model", "budget_bytes", "tokens_uncompressed", "tokens_compressed", "capacity_ratio"}
     assert r["budget_bytes"] == 1 << 28
