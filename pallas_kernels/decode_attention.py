@@ -37,6 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _platform
 from pallas_kernels import restore_mgpu as R
+from zipfusion_jax.format import block as FB
 from zipfusion_jax.paged.cache import PAGE_SIZE, PagedKVCache
 
 STEP_PAGES = R.PAGES_PER_STEP
@@ -92,7 +93,7 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int) -> DecodeConfig:
 
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
             compressed, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages,
-            split_restore):
+            split_restore, interpret):
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
@@ -106,7 +107,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   nb = head_dim // 32
   kvh, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
   wg = lax.axis_index("wg")
-  (q_smem, k_smem, v_smem, byte_smem, info_smem, o_smem, lse_smem), (q_bar, load_bars, consumed_bars, v_ready_bars) = scoped
+  (q_smem, k_smem, v_smem, byte_smem, info_smem, o_smem, lse_smem, p_smem), (q_bar, load_bars, consumed_bars, v_ready_bars) = scoped
 
   length = lengths_ref[b]
   full_pages = length // PAGE_SIZE
@@ -134,7 +135,9 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       infos = slot_infos(stage)
       splat = plgpu.Layout.WG_SPLAT(shape=())
       info_types = tuple((splat,) * 3 for _ in range(STEP_PAGES))
-      if compressed and split_restore:
+      if interpret:  # inline PTX is not interpretable: the jnp restore of the same bytes
+        _restore_interpret(byte_smem, k_smem, v_smem, stage, infos, head_dim, compressed)
+      elif compressed and split_restore:
         _restore(R.restore_k, byte_smem.at[stage], k_smem.at[stage], infos, head_dim)
       elif compressed:
         tiled = plgpu.RefType(transforms=_TRANSFORMS)
@@ -162,13 +165,22 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p16 = p.astype(jnp.bfloat16)
 
-      if compressed and split_restore:
+      if compressed and split_restore and not interpret:
         plgpu.barrier_wait(v_ready_bars.at[stage])
 
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_smem.at[stage])
+      if interpret:  # a register A operand is not interpretable: P goes through SMEM
+        p_smem[...] = p16
 
-      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        def pv_interpret(acc_ref):
+          plgpu.wgmma(acc_ref, p_smem, v_smem.at[stage])
+          return acc_ref[...]
+
+        acc = acc + pl.run_scoped(pv_interpret, plgpu.ACC((MROWS, head_dim), jnp.float32))
+      else:
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[stage])
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(consumed_bars.at[stage])
       return acc, m_new, l_new
 
@@ -227,7 +239,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       plgpu.barrier_arrive(bar)
       return ()
 
-    if not (compressed and split_restore):
+    if not (compressed and split_restore) or interpret:
       lax.fori_loop(0, n_steps, issue, ())
       return
 
@@ -249,6 +261,52 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       return ()
 
     lax.fori_loop(0, n_steps, restore_v, ())
+
+
+def _restore_interpret(byte_smem, k_smem, v_smem, stage, infos, head_dim, compressed):
+  """Interpret-mode stand-in for `restore_mgpu`: the jnp codec on the same byte stage.
+
+  Decodes each page slot's groups (block starts from the slot bytes, as the inline
+  restore finds them) and stores the pages into the BF16 tiles; zeroes V of absent slots.
+  """
+  nb = head_dim // 32
+  for s in range(STEP_PAGES):
+    flags = infos[s][0]
+
+    @pl.when(flags == 0)
+    def _():
+      v_smem[stage, pl.ds(s * PAGE_SIZE, PAGE_SIZE), :] = jnp.zeros((PAGE_SIZE, head_dim), jnp.bfloat16)
+
+    if not compressed:
+      continue
+    for kind, tile in enumerate((k_smem, v_smem)):
+      word1 = infos[s][1 + kind]
+
+      @pl.when(flags == R.FLAG_PAGE)
+      def _():
+        flat = byte_smem[stage, kind, s].reshape(-1)
+        slot_bytes = [(word1 >> (8 * j)) & 0xFF for j in range(nb)]
+        rows, start = [], jnp.int32(0)
+        for byte in slot_bytes:
+          rows.append(lax.dynamic_slice(flat, (start * R.UNIT,), (4 * R.UNIT,)))
+          start = start + jnp.where(byte == R.RAW, 4, 3)
+        bits = FB.decode_rows(jnp.stack(rows), jnp.stack(slot_bytes))  # [nb, 512] in position order
+        tile[stage, pl.ds(s * PAGE_SIZE, PAGE_SIZE), :] = FB.from_bits(_page_from_blocks(bits, kind, head_dim))
+
+
+def _page_from_blocks(bits, kind, head_dim):
+  """uint16 [nb, 512] -> [16, D]: FORMAT.md §3's tile positions, computed from iotas.
+
+  (`layout.blocks_to_pages` gathers with a numpy permutation, and a kernel body may not
+  close over array constants.)
+  """
+  token = lax.broadcasted_iota(jnp.int32, (PAGE_SIZE, head_dim), 0)
+  dim = lax.broadcasted_iota(jnp.int32, (PAGE_SIZE, head_dim), 1)
+  j, c, sub = dim // 32, (dim % 32) // 16, dim % 16
+  row, col = (token, sub) if kind == 0 else (sub, token)  # K: rows are tokens; V: rows are dims
+  lane = (row % 8) * 4 + (col % 8) // 2
+  position = c * 256 + lane * 8 + (col // 8) * 4 + (row // 8) * 2 + col % 2
+  return bits[j, position]
 
 
 def _restore(fn, byte_ref, tile_ref, infos, head_dim):
@@ -279,8 +337,8 @@ def _arrivals(compressed: bool, nb: int) -> int:
   return 2 * STEP_PAGES * per_slot_kind + 1  # + the producer's info arrival
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "return_lse"))
-def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig, return_lse: bool):
+def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig, return_lse: bool,
+                      interpret: bool = False):
   batch, q_heads, head_dim = q.shape
   kv_heads = cache.num_kv_heads
   group = q_heads // kv_heads
@@ -301,6 +359,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
           plgpu.SMEM((stages, STEP_PAGES, 3), jnp.int32),
           f32_tile,
           plgpu.SMEM((MROWS,), jnp.float32),
+          tile((MROWS, STEP_TOKENS)) if interpret else None,
       ),
       (
           plgpu.Barrier(num_barriers=1),
@@ -318,7 +377,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   body = functools.partial(
       _kernel, compressed=cache.compressed, head_dim=head_dim, kv_heads=kv_heads, row_stride=row_stride,
       pages_per_split=pages_per_split, max_pages=max_pages, scale=scale, stages=stages,
-      split_restore=config.split_restore)
+      split_restore=config.split_restore, interpret=interpret)
 
   def entry(*refs):
     pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")
@@ -334,6 +393,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       num_threads=2,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+      interpret=plgpu.InterpretGPUParams() if interpret else False,
   )(q_rows, cache.lengths, cache.page_table, cache.k_tail, cache.v_tail, *stores)
   out, lse2 = _combine(o[:, :, :, :group], lse[:, :, :, :group])
   out = out.reshape(batch, q_heads, head_dim).astype(jnp.bfloat16)
@@ -362,14 +422,18 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
   Args:
     q: bfloat16 [B, Hq, D]; cache: a PagedKVCache (compressed or not).
     scale: softmax scale. config: None picks `heuristic_config`.
-    interpret: None = interpret off-GPU. The kernel has no interpret mode yet (its
-      restore is inline PTX and its P operand lives in registers), so interpreting
-      raises NotImplementedError; off-GPU use impl='reference' (same format, jnp).
+    interpret: None = interpret off-GPU. Interpret mode runs this kernel body on the
+      CPU with two static substitutions: the inline-PTX restore becomes the jnp codec
+      on the same byte stage (`_restore_interpret`) and P is staged through SMEM (a
+      register wgmma operand is not interpretable). It runs un-jitted.
   """
-  if _platform.resolve_interpret(interpret):
-    raise NotImplementedError(
-        "the fused decode-attention kernel needs a Hopper GPU and has no interpret mode yet; "
-        "use impl='reference' (the jnp path over the same format)")
   if config is None:
     config = heuristic_config(cache.batch, cache.num_kv_heads, cache.max_pages)
-  return _decode_attention(q, cache, float(scale), config, bool(return_lse))
+  if _platform.resolve_interpret(interpret):
+    return _decode_attention(q, cache, float(scale), config, bool(return_lse), interpret=True)
+  return _decode_attention_jit(q, cache, float(scale), config, bool(return_lse))
+
+
+# Compiled path. Interpret mode runs un-jitted: the interpreter's kernel leaves a wgmma effect
+# that jax.jit cannot lower (jax 0.11.2).
+_decode_attention_jit = jax.jit(_decode_attention, static_argnames=("scale", "config", "return_lse", "interpret"))

@@ -45,8 +45,9 @@ def paged_decode_attention(
       (jnp). Default: "pallas" on a GPU, else "reference".
     config: `pallas_kernels.decode_attention.DecodeConfig` or None (heuristic).
     return_lse: also return the natural-log sum-exp float32 [B, Hq].
-    interpret: for "pallas"; the kernel has no interpret mode yet, so off-GPU
-      (or with interpret=True) it raises NotImplementedError.
+    interpret: for "pallas": run the kernel body in Mosaic GPU interpret mode
+      (default: off-GPU only). Interpreted, the restore is the jnp codec and P goes
+      through SMEM; slow (seconds), for tests; not traceable inside jax.jit.
 
   Returns:
     bfloat16 [B, Hq, D] (and float32 [B, Hq] when `return_lse`). The
