@@ -45,19 +45,22 @@ def case(key, batch, seq, kv_heads, group, head_dim, lengths, splits):
   scale = 1.0 / np.sqrt(head_dim)
   ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
   outs = {}
-  for name, cache, split_restore in (("compressed", comp, True), ("compressed_one_wg_restore", comp, False), ("uncompressed", plain, True)):
+  variants = (("compressed", comp, {}), ("compressed_split_restore", comp, {"split_restore": True}),
+              ("compressed_pipelined", comp, {"pipeline_metadata": True}), ("uncompressed", plain, {}),
+              ("uncompressed_pipelined", plain, {"pipeline_metadata": True}))
+  for name, cache, knobs in variants:
     if name.split("_")[0] not in PATHS:
       continue
-    cfg = DecodeConfig(splits=splits, split_restore=split_restore)
+    cfg = DecodeConfig(splits=splits, **knobs)
     out, lse = decode_attention_pallas(q, cache, scale, config=cfg, return_lse=True)
     outs[name] = np.asarray(out)
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
     finite = np.isfinite(np.asarray(ref_lse))
     lse_err = float(np.max(np.abs(np.asarray(lse)[finite] - np.asarray(ref_lse)[finite]), initial=0.0))
     assert err <= TOL and lse_err <= 1e-2, f"{name}: err {err} lse_err {lse_err}"
-  if len(outs) < 3:
+  if "compressed" not in outs or "uncompressed" not in outs:
     return err
-  for name in ("compressed", "compressed_one_wg_restore"):
+  for name in outs:
     assert np.array_equal(outs[name].view(np.uint16), outs["uncompressed"].view(np.uint16)), f"{name} != uncompressed bitwise"
   return err
 
@@ -115,21 +118,22 @@ def timing(shapes, splits_list):
     rows.append(dict(kernel="cudnn_dense", batch=batch, context=context, time_us=t, bytes_read=bf16_bytes))
     print(f"cudnn_dense            B={batch} S={context} {t:8.1f} us", flush=True)
     heur = heuristic_config(batch, cfg.kv_heads, plain.max_pages)
-    variants = [(s, True) for s in sorted(set(splits_list + [heur.splits]))] + [(heur.splits, False)]
-    for splits, split_restore in variants:
+    variants = [(s, {}) for s in sorted(set(splits_list + [heur.splits]))]
+    variants += [(heur.splits, {"pipeline_metadata": True}), (heur.splits, {"split_restore": True})]
+    for splits, knobs in variants:
       for name, cache, nbytes in (("zipfusion_compressed", comp, comp_bytes), ("zipfusion_uncompressed", plain, bf16_bytes)):
-        if not split_restore and name.endswith("uncompressed"):
+        if "split_restore" in knobs and name.endswith("uncompressed"):
           continue  # the flag only changes the compressed path
-        cfg = DecodeConfig(splits=splits, split_restore=split_restore)
+        cfg = DecodeConfig(splits=splits, **knobs)
         f = jax.jit(lambda q, c, cfg=cfg: decode_attention_pallas(q, c, scale, config=cfg))
         try:
           t, _ = cupti_us(f, q, cache)
         except Exception as e:
           print(f"{name} {cfg}: {repr(e)[:300]}", flush=True)
           continue
-        rows.append(dict(kernel=name, batch=batch, context=context, splits=splits, split_restore=split_restore,
+        rows.append(dict(kernel=name, batch=batch, context=context, splits=splits, **knobs,
                          heuristic=splits == heur.splits, time_us=t, bytes_read=int(nbytes)))
-        print(f"{name:22s} B={batch} S={context} splits={splits:2d} split_restore={int(split_restore)} {t:8.1f} us "
+        print(f"{name:22s} B={batch} S={context} splits={splits:2d} {str(knobs):28s} {t:8.1f} us "
               f"{nbytes / t / 1e6:5.2f} TB/s", flush=True)
   return rows
 

@@ -60,11 +60,16 @@ class DecodeConfig:
       consumer restores K and computes S (else the consumer restores both). Off by
       default: it delays the producer's copies, which bound the kernel (H200,
       2026-12-03, 32 x 2048 at Llama-3.1-8B shapes: 281 us on vs 228 us off).
+    pipeline_metadata: the producer loads page-table entries two steps ahead and
+      group metadata one step ahead, so no global-load latency sits between two
+      steps' copies. Off by default until measured on a GPU (it lowers for an
+      abstract H200 and passes the interpret-mode tests).
   """
 
   splits: int = 1
   stages: int = 2
   split_restore: bool = False
+  pipeline_metadata: bool = False
 
   def __post_init__(self):
     if self.splits < 1:
@@ -93,7 +98,7 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int) -> DecodeConfig:
 
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
             compressed, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages,
-            split_restore, interpret):
+            split_restore, pipeline_metadata, interpret):
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
@@ -198,7 +203,19 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   def _producer():
     plgpu.set_max_registers(96 if compressed and split_restore else 40, action="decrease")
 
-    def issue(i, _):
+    num_pages = store_b.shape[1]
+
+    def pages_of(i):  # physical pages of step i's slots; entries past a sequence may be stale: clamp
+      return tuple(
+          jnp.clip(page_table_ref[b, jnp.minimum(first_page + i * STEP_PAGES + s, max_pages - 1)], 0, num_pages - 1)
+          for s in range(STEP_PAGES))
+
+    def meta_of(phys):  # per slot: (K word0, K word1, V word0, V word1) of its group metadata
+      if not compressed:
+        return ()
+      return tuple(tuple(store_b[kvh, p, kind, w] for kind in range(2) for w in range(2)) for p in phys)
+
+    def issue(i, phys, meta):
       stage = lax.rem(i, stages)
 
       @pl.when(i >= stages)
@@ -211,47 +228,61 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
         in_split = page < end_page
         is_page = in_split & (page < full_pages)
         is_tail = in_split & (page == full_pages)
-        # Entries past a sequence's pages may be stale: clamp so the metadata load stays in bounds.
-        phys = jnp.clip(page_table_ref[b, jnp.minimum(page, max_pages - 1)], 0, store_b.shape[1] - 1)
         rows = pl.ds(s * PAGE_SIZE, PAGE_SIZE)
         words = []
         for kind, (tail_ref, stage_smem) in enumerate(((k_tail_ref, k_smem), (v_tail_ref, v_smem))):
           _copy_or_arrive(tail_ref.at[b, kvh], stage_smem.at[stage, rows], bar, is_tail)
           if compressed:
-            arena_ref, meta_ref = store_a, store_b
-            offset = (meta_ref[kvh, phys, kind, 0] & 0x3FFFFFFF).astype(jnp.int32)
-            word1 = meta_ref[kvh, phys, kind, 1]
+            word0, word1 = meta[s][2 * kind], meta[s][2 * kind + 1]
+            offset = (word0 & 0x3FFFFFFF).astype(jnp.int32)
             n_raw = sum(((word1 >> (8 * j)) & 0xFF == R.RAW).astype(jnp.int32) for j in range(nb))
             dst = byte_smem.at[stage, kind, s]
-            _copy_or_arrive(arena_ref.at[pl.ds(offset, 3 * nb)], dst.at[pl.ds(0, 3 * nb)], bar, is_page)
+            _copy_or_arrive(store_a.at[pl.ds(offset, 3 * nb)], dst.at[pl.ds(0, 3 * nb)], bar, is_page)
             for j in range(nb):
-              _copy_or_arrive(arena_ref.at[pl.ds(offset + 3 * nb + j, 1)], dst.at[pl.ds(3 * nb + j, 1)], bar,
+              _copy_or_arrive(store_a.at[pl.ds(offset + 3 * nb + j, 1)], dst.at[pl.ds(3 * nb + j, 1)], bar,
                               is_page & (j < n_raw))
             words.append(lax.bitcast_convert_type(word1, jnp.int32))
           else:
             pages_ref = (store_a, store_b)[kind]
-            _copy_or_arrive(pages_ref.at[kvh, phys], stage_smem.at[stage, rows], bar, is_page)
+            _copy_or_arrive(pages_ref.at[kvh, phys[s]], stage_smem.at[stage, rows], bar, is_page)
             words.append(jnp.int32(0))
         info_smem[stage, s, 0] = jnp.where(is_page, R.FLAG_PAGE, jnp.where(is_tail, R.FLAG_TAIL, 0)).astype(jnp.int32)
         info_smem[stage, s, 1] = words[0]
         info_smem[stage, s, 2] = words[1]
       plgpu.commit_smem()  # every producer thread's info stores land before the arrival below
       plgpu.barrier_arrive(bar)
+
+    def issue_now(i, _):  # page table, then metadata, then copies: two dependent loads per step
+      phys = pages_of(i)
+      issue(i, phys, meta_of(phys))
       return ()
 
+    if pipeline_metadata and not (compressed and split_restore):
+      # Iteration i issues step i's copies from metadata loaded in iteration i - 1, loads step
+      # i + 1's group words (its pages were loaded in iteration i - 1) and step i + 2's page-table
+      # entries; loads block only at first use, one iteration later.
+      def issue_pipelined(i, carry):
+        phys, meta, phys_next = carry
+        issue(i, phys, meta)
+        return phys_next, meta_of(phys_next), pages_of(i + 2)
+
+      phys0 = pages_of(0)
+      lax.fori_loop(0, n_steps, issue_pipelined, (phys0, meta_of(phys0), pages_of(1)))
+      return
+
     if not (compressed and split_restore) or interpret:
-      lax.fori_loop(0, n_steps, issue, ())
+      lax.fori_loop(0, n_steps, issue_now, ())
       return
 
     # Split restore: issue step i + 1, then restore V of step i while the consumer does K.
     @pl.when(n_steps > 0)
     def _():
-      issue(0, ())
+      issue_now(0, ())
 
     def restore_v(i, _):
       @pl.when(i + 1 < n_steps)
       def _():
-        issue(i + 1, ())
+        issue_now(i + 1, ())
 
       stage = lax.rem(i, stages)
       plgpu.barrier_wait(load_bars.at[stage])
@@ -377,7 +408,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   body = functools.partial(
       _kernel, compressed=cache.compressed, head_dim=head_dim, kv_heads=kv_heads, row_stride=row_stride,
       pages_per_split=pages_per_split, max_pages=max_pages, scale=scale, stages=stages,
-      split_restore=config.split_restore, interpret=interpret)
+      split_restore=config.split_restore, pipeline_metadata=config.pipeline_metadata, interpret=interpret)
 
   def entry(*refs):
     pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")

@@ -52,12 +52,13 @@ def _bf16_sizes(text):
     "compressed,head_dim,group,splits",
     [(True, 128, 4, 1), (False, 128, 4, 2), (True, 64, 3, 2), (False, 64, 3, 1), (True, 128, 8, 3)],
 )
-def test_lowers_to_one_mosaic_gpu_kernel_for_an_abstract_h200(compressed, head_dim, group, splits):
+@pytest.mark.parametrize("variant", [{}, {"pipeline_metadata": True}, {"split_restore": True}])
+def test_lowers_to_one_mosaic_gpu_kernel_for_an_abstract_h200(compressed, head_dim, group, splits, variant):
   kv_heads = 3 if group == 3 else 2
   k, v = _kv(2, 100, kv_heads, head_dim)
   cache = zf.paged_cache_from_dense(k, v, np.array([100, 37]), compressed=compressed)
   q = jnp.zeros((2, kv_heads * group, head_dim), jnp.bfloat16)
-  text = _lower_text(lambda q, c: da._decode_attention(q, c, 0.125, da.DecodeConfig(splits=splits), True), q, cache)
+  text = _lower_text(lambda q, c: da._decode_attention(q, c, 0.125, da.DecodeConfig(splits=splits, **variant), True), q, cache)
   assert text.count("mosaic_gpu") >= 1
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
 
@@ -77,16 +78,17 @@ def test_compressed_pages_are_never_materialised_as_bf16():
 
 
 INTERPRET_CASES = [
-    # batch, seq, kv_heads, group, head_dim, lengths, splits
-    (2, 100, 2, 4, 64, [100, 37], 1),
-    (3, 90, 3, 3, 64, [0, 16, 90], 2),
-    (2, 80, 1, 8, 128, [80, 17], 1),
+    # batch, seq, kv_heads, group, head_dim, lengths, splits, pipeline_metadata
+    (2, 100, 2, 4, 64, [100, 37], 1, False),
+    (3, 90, 3, 3, 64, [0, 16, 90], 2, False),
+    (2, 80, 1, 8, 128, [80, 17], 1, False),
+    (3, 200, 2, 2, 64, [200, 1, 130], 2, True),
 ]
 
 
-@pytest.mark.parametrize("batch,seq,kv_heads,group,head_dim,lengths,splits", INTERPRET_CASES)
+@pytest.mark.parametrize("batch,seq,kv_heads,group,head_dim,lengths,splits,pipeline_metadata", INTERPRET_CASES)
 def test_interpreted_kernel_matches_the_reference_and_both_stores_agree_bitwise(
-    batch, seq, kv_heads, group, head_dim, lengths, splits):
+    batch, seq, kv_heads, group, head_dim, lengths, splits, pipeline_metadata):
   """The kernel body on CPU (Mosaic GPU interpret mode; jnp restore and P through SMEM)."""
   k, v = _kv(batch, seq, kv_heads, head_dim, seed=seq)
   k = k.at[:, ::29, :, 5].set(4e4)  # raw blocks next to compressed ones
@@ -95,7 +97,7 @@ def test_interpreted_kernel_matches_the_reference_and_both_stores_agree_bitwise(
   comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
   plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
   ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
-  cfg = da.DecodeConfig(splits=splits)
+  cfg = da.DecodeConfig(splits=splits, pipeline_metadata=pipeline_metadata)
   outs = []
   for cache in (comp, plain):
     out, lse = zf.paged_decode_attention(q, cache, impl="pallas", config=cfg, return_lse=True, interpret=True)

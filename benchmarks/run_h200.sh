@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Every GPU measurement of the project in one device call (the H200 machine's python3, source tree):
+#   bash benchmarks/run_h200.sh            # JSON under $OUT (default benchmarks/results), short tables on stdout
+# Order: kernel correctness + variant timing first (cheapest, most informative), then the attention
+# table with same-run peers, then end-to-end generation and the allocator overhead.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+out="${OUT:-benchmarks/results}"
+mkdir -p "$out"
+python3 -m benchmarks.fused_kernel_check --out "$out/fused_kernel_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion"
+python3 -m benchmarks.attention --out "$out/attention_h200.json" 2>&1 | grep -vE "^\s*$|Warning"
+python3 -m benchmarks.generate --batch 64 --context 8192 --out "$out/generate_h200.json" 2>&1 | tail -8
+python3 -m benchmarks.capacity --overhead --out "$out/allocator_overhead_h200.json" 2>&1 | tail -5
