@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from serving_harness import TINY, WIDE, expected_tokens, make_engine, shadow_for
+from zipfusion_jax.serving.invariants import check_invariants
 from zipfusion_jax.paged.cache import encode_page_blocks
 from zipfusion_jax.format import block as B
 from zipfusion_jax.serving.allocator import AllocationRefused, ChunkAllocator
@@ -276,3 +277,20 @@ def test_budget_geometry():
     ServingConfig.from_budget(cfg.chunk_bytes * 3, **shape)
   with pytest.raises(ValueError, match="no page fits in every layer"):
     ServingConfig(num_chunks=3, **shape)
+
+
+def test_a_stop_token_ends_a_request_early_and_frees_its_pages():
+  free = make_engine()
+  (full,) = [free.submit([5, 6, 7], 40)]
+  free.run()
+  stop = full.generated[9]
+  engine = make_engine()
+  short = engine.submit([5, 6, 7], 40, stop_ids=(stop,))
+  other = engine.submit([8, 9], 30)
+  engine.run()
+  cut = full.generated.index(stop) + 1
+  assert short.generated == full.generated[:cut] and short.done
+  assert len(other.generated) == 30
+  cap = engine.allocator.capacity()
+  assert cap.live_bytes == 0  # everything finished: no page is still held
+  assert check_invariants(engine.backend, engine.state, engine.allocator, []) == []

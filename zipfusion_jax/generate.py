@@ -11,7 +11,7 @@ completed pages in the 12-bit format with `--kv compressed`, a store of `--kv-me
 reference elsewhere. One prompt streams its tokens to stdout, several show a progress bar; the
 summary (tokens/s, KV bytes, compression ratio, eligible-block fraction) goes to stderr. `--json`
 writes `{"results": [{"prompt", "prompt_ids", "token_ids", "text"}], "stats": {...}}` (token_ids:
-generated tokens only, cut after the first end-of-sequence token) through a temporary file and a
+generated tokens only, ending with the end-of-sequence token if one came) through a temporary file and a
 rename, so a failed run leaves nothing behind. Errors (unknown model, prompt longer than the
 context, a budget smaller than one request, corrupted checkpoint) print one line on stderr and
 exit with status 2.
@@ -113,9 +113,9 @@ def run(args: argparse.Namespace, out=None, err=None) -> dict:
 
   Every prompt is one request of a continuously batched workload (`zipfusion_jax/serving`):
   admitted while the KV store has room for it and for every running request's remaining
-  tokens, preempted and recomputed under pressure. Requests generate `--max-new-tokens` and
-  the output is cut after the first end-of-sequence token. Returns the JSON payload (written
-  when `--json` is given).
+  tokens, preempted and recomputed under pressure. A request ends after `--max-new-tokens`
+  or at the tokenizer's end-of-sequence token (kept as its last token). Returns the JSON
+  payload (written when `--json` is given).
   """
   out, err = out or sys.stdout, err or sys.stderr
   import time
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace, out=None, err=None) -> dict:
   from zipfusion_jax.serving.scheduler import RequestTooLarge
 
   try:
-    requests = [engine.submit(ids, args.max_new_tokens) for ids in prompt_ids] if args.max_new_tokens else []
+    requests = [engine.submit(ids, args.max_new_tokens, stop_ids=tok.eos_ids) for ids in prompt_ids] if args.max_new_tokens else []
   except RequestTooLarge as e:
     budget = f"--kv-memory-mib {args.kv_memory_mib:g}" if args.kv_memory_mib is not None else "the KV store"
     raise ValueError(f"a request can never fit {budget}: {e}") from None

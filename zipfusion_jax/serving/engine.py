@@ -143,9 +143,9 @@ class Engine:
 
   # --- requests ---------------------------------------------------------------------
 
-  def submit(self, prompt, max_new_tokens: int, priority: int = 0) -> Request:
-    """Queue a request (raises `RequestTooLarge` when it can never fit)."""
-    return self.scheduler.submit(prompt, max_new_tokens, priority)
+  def submit(self, prompt, max_new_tokens: int, priority: int = 0, stop_ids=()) -> Request:
+    """Queue a request (raises `RequestTooLarge` when it can never fit); `stop_ids` end it early."""
+    return self.scheduler.submit(prompt, max_new_tokens, priority, stop_ids)
 
   @property
   def idle(self) -> bool:

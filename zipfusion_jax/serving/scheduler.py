@@ -44,7 +44,7 @@ class Request:
 
   Attributes:
     prompt: token ids.
-    max_new_tokens: tokens to generate (>= 1); generation never stops earlier.
+    max_new_tokens: tokens to generate (>= 1), unless a stop token comes first.
     priority: lower runs first; ties in arrival order.
     rid, arrival: set by `submit`.
     generated: tokens generated so far.
@@ -52,6 +52,8 @@ class Request:
     pages: page ids of the completed pages while running.
     length: tokens with KV cached (running), else 0.
     preemptions: how many times it was preempted.
+    stop_ids: token ids that finish the request when generated (kept as its last token);
+      reservations still assume `max_new_tokens`, so stopping early only frees space sooner.
   """
 
   prompt: tuple[int, ...]
@@ -65,6 +67,7 @@ class Request:
   pages: list[int] = dataclasses.field(default_factory=list)
   length: int = 0
   preemptions: int = 0
+  stop_ids: tuple[int, ...] = ()
 
   @property
   def final_length(self) -> int:
@@ -89,7 +92,9 @@ class Request:
 
   @property
   def done(self) -> bool:
-    return len(self.generated) >= self.max_new_tokens
+    if len(self.generated) >= self.max_new_tokens:
+      return True
+    return bool(self.generated) and self.generated[-1] in self.stop_ids
 
 
 class Scheduler:
@@ -115,14 +120,14 @@ class Scheduler:
 
   # --- submission ---------------------------------------------------------------------
 
-  def submit(self, prompt, max_new_tokens: int, priority: int = 0) -> Request:
+  def submit(self, prompt, max_new_tokens: int, priority: int = 0, stop_ids=()) -> Request:
     """Queue a request, or raise `RequestTooLarge` / `ValueError` when it can never run."""
     prompt = tuple(int(t) for t in prompt)
     if not prompt:
       raise ValueError("prompt must hold at least one token")
     if max_new_tokens < 1:
       raise ValueError(f"{max_new_tokens=} must be >= 1")
-    req = Request(prompt, int(max_new_tokens), int(priority))
+    req = Request(prompt, int(max_new_tokens), int(priority), stop_ids=tuple(int(t) for t in stop_ids))
     if req.final_length > self.cfg.max_length:
       raise RequestTooLarge(
           f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) - 1 = {req.final_length} tokens "
