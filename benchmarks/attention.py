@@ -56,14 +56,30 @@ def eligible_fraction(cache) -> float:
   return float(np.mean(used <= B.MAX_HALF_BASE))
 
 
+def dense_attention(implementation: str, scale: float):
+  """Jitted contiguous decode attention q [B, Hq, D], k/v [B, S, Hkv, D] -> [B, Hq, D] ("cudnn" or "xla")."""
+  def attend(q, k, v):
+    return jax.nn.dot_product_attention(q[:, None], k, v, scale=scale, implementation=implementation)[:, 0]
+  return jax.jit(attend)
+
+
+def problem(key, cfg, batch, context):
+  """One benchmark shape: q, dense k/v, both paged caches, the scale and the bytes each store holds."""
+  k, v = synthetic_kv(key, batch, context, cfg.kv_heads, cfg.head_dim)
+  q = jax.random.normal(jax.random.fold_in(key, 1), (batch, cfg.q_heads, cfg.head_dim), jnp.bfloat16)
+  lengths = np.full(batch, context, np.int32)
+  comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
+  plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
+  return dict(q=q, k=k, v=v, comp=comp, plain=plain, scale=1.0 / np.sqrt(cfg.head_dim),
+              bf16_bytes=2 * k.size * 2, comp_bytes=comp.arena.size + comp.group_meta.size * 4)
+
+
 def baselines(q, k, v, cache_bf16, scale):
   """Uncompressed peers: name -> (jitted fn, its arguments)."""
   from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
 
   def dense(implementation):
-    def attend(q, k, v):
-      return jax.nn.dot_product_attention(q[:, None], k, v, scale=scale, implementation=implementation)[:, 0]
-    return jax.jit(attend)
+    return dense_attention(implementation, scale)
 
   def paged(q, kp, vp, table, lengths):  # this kernel applies no softmax scale: pre-scale q
     return pallas_paged.paged_attention((q.astype(jnp.float32) * scale).astype(q.dtype), kp, vp, table, lengths)
@@ -78,15 +94,10 @@ def baselines(q, k, v, cache_bf16, scale):
 
 
 def run_shape(key, cfg, batch, context):
-  k, v = synthetic_kv(key, batch, context, cfg.kv_heads, cfg.head_dim)
-  q = jax.random.normal(jax.random.fold_in(key, 1), (batch, cfg.q_heads, cfg.head_dim), jnp.bfloat16)
-  lengths = np.full(batch, context, np.int32)
-  comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
-  plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
-  scale = 1.0 / np.sqrt(cfg.head_dim)
+  p = problem(key, cfg, batch, context)
+  q, k, v, comp, plain, scale = (p[n] for n in ("q", "k", "v", "comp", "plain", "scale"))
+  bf16_bytes, comp_bytes = p["bf16_bytes"], p["comp_bytes"]
   ref = zf.paged_decode_attention(q, plain, impl="reference")
-  bf16_bytes = 2 * k.size * 2
-  comp_bytes = comp.arena.size + comp.group_meta.size * 4
   reference = jax.jit(lambda q, c: zf.paged_decode_attention(q, c, impl="reference"))
   fns = {
       "zipfusion_reference_compressed": (reference, (q, comp), comp_bytes),

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import zipfusion_jax as zf
-from benchmarks.attention import synthetic_kv
+from benchmarks.attention import dense_attention, problem
 from benchmarks.compress import cupti_us
 from models.configs import get_config
 from pallas_kernels.decode_attention import DecodeConfig, decode_attention_pallas, heuristic_config
@@ -104,17 +104,10 @@ def timing(shapes, splits_list):
   cfg = get_config("llama3.1-8b")
   rows = []
   for i, (batch, context) in enumerate(shapes):
-    key = jax.random.key(100 + i)
-    k, v = synthetic_kv(key, batch, context, cfg.kv_heads, cfg.head_dim)
-    q = jax.random.normal(jax.random.fold_in(key, 1), (batch, cfg.q_heads, cfg.head_dim), jnp.bfloat16)
-    lengths = np.full(batch, context, np.int32)
-    comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
-    plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
-    scale = 1.0 / np.sqrt(cfg.head_dim)
-    bf16_bytes = 2 * k.size * 2
-    comp_bytes = comp.arena.size + comp.group_meta.size * 4
-    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, scale=scale, implementation="cudnn")[:, 0])
-    t, _ = cupti_us(cudnn, q, k, v)
+    p = problem(jax.random.key(100 + i), cfg, batch, context)
+    q, k, v, comp, plain, scale = (p[n] for n in ("q", "k", "v", "comp", "plain", "scale"))
+    bf16_bytes, comp_bytes = p["bf16_bytes"], p["comp_bytes"]
+    t, _ = cupti_us(dense_attention("cudnn", scale), q, k, v)
     rows.append(dict(kernel="cudnn_dense", batch=batch, context=context, time_us=t, bytes_read=bf16_bytes))
     print(f"cudnn_dense            B={batch} S={context} {t:8.1f} us", flush=True)
     heur = heuristic_config(batch, cfg.kv_heads, plain.max_pages)

@@ -31,16 +31,13 @@ from models.params import random_params
 from zipfusion_jax.serving.backend import PagedBackend
 from zipfusion_jax.serving.engine import Engine
 from zipfusion_jax.serving.model import ModelDecoder
-from zipfusion_jax.serving.state import PAGE_SIZE, ServingConfig
+from zipfusion_jax.generate import serving_config
+from zipfusion_jax.serving.state import PAGE_SIZE
 
 
 def engine_for(config, params, batch: int, max_tokens: int, compressed: bool, chunk_pages: int = 32) -> Engine:
   """An engine whose store holds `batch` sequences of `max_tokens` at raw size (no admission waits)."""
-  max_pages = -(-max_tokens // PAGE_SIZE)
-  per_layer = -(-batch * max_pages // chunk_pages) + 1
-  cfg = ServingConfig(num_layers=config.layers, num_kv_heads=config.kv_heads, head_dim=config.head_dim,
-                      num_slots=batch, max_pages=max_pages, num_chunks=config.layers * per_layer,
-                      chunk_pages=chunk_pages, compressed=compressed)
+  cfg = serving_config(config, [max_tokens] * batch, 0, batch, compressed, chunk_pages=chunk_pages)
   encoder = "pallas" if jax.default_backend() == "gpu" else "reference"
   return Engine(ModelDecoder(config), PagedBackend(cfg, encoder=encoder), params, max_prefills_per_step=batch)
 

@@ -138,21 +138,15 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       stage = lax.rem(i, stages)
       plgpu.barrier_wait(load_bars.at[stage])
       infos = slot_infos(stage)
-      splat = plgpu.Layout.WG_SPLAT(shape=())
-      info_types = tuple((splat,) * 3 for _ in range(STEP_PAGES))
+      byte_ref, k_ref, v_ref = byte_smem.at[stage], k_smem.at[stage], v_smem.at[stage]
       if interpret:  # inline PTX is not interpretable: the jnp restore of the same bytes
         _restore_interpret(byte_smem, k_smem, v_smem, stage, infos, head_dim, compressed)
       elif compressed and split_restore:
-        _restore(R.restore_k, byte_smem.at[stage], k_smem.at[stage], infos, head_dim)
+        _inline(R.restore_k, (_BYTES, _TILE), (byte_ref, k_ref), infos, head_dim)
       elif compressed:
-        tiled = plgpu.RefType(transforms=_TRANSFORMS)
-        plgpu.inline_mgpu(arg_types=(plgpu.RefType(), tiled, tiled, info_types))(
-            lambda ctx, byte_ref, k_ref, v_ref, infos: R.restore_step(byte_ref, k_ref, v_ref, infos, head_dim=head_dim)
-        )(byte_smem.at[stage], k_smem.at[stage], v_smem.at[stage], tuple(infos))
+        _inline(R.restore_step, (_BYTES, _TILE, _TILE), (byte_ref, k_ref, v_ref), infos, head_dim)
       else:
-        plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=_TRANSFORMS), info_types))(
-            lambda ctx, v_ref, infos: R.zero_absent_v(v_ref, infos, head_dim=head_dim)
-        )(v_smem.at[stage], tuple(infos))
+        _inline(R.zero_absent_v, (_TILE,), (v_ref,), infos, head_dim)
       plgpu.commit_smem()
 
       def qk(acc_ref):
@@ -286,7 +280,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
 
       stage = lax.rem(i, stages)
       plgpu.barrier_wait(load_bars.at[stage])
-      _restore(R.restore_v, byte_smem.at[stage], v_smem.at[stage], slot_infos(stage), head_dim)
+      _inline(R.restore_v, (_BYTES, _TILE), (byte_smem.at[stage], v_smem.at[stage]), slot_infos(stage), head_dim)
       plgpu.commit_smem()
       plgpu.barrier_arrive(v_ready_bars.at[stage])
       return ()
@@ -340,13 +334,15 @@ def _page_from_blocks(bits, kind, head_dim):
   return bits[j, position]
 
 
-def _restore(fn, byte_ref, tile_ref, infos, head_dim):
-  """Run one half of the restore (`restore_mgpu.restore_k` / `restore_v`) on this warpgroup."""
-  splat = plgpu.Layout.WG_SPLAT(shape=())
-  info_types = tuple((splat,) * 3 for _ in range(STEP_PAGES))
-  plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms=_TRANSFORMS), info_types))(
-      lambda ctx, byte_ref, tile_ref, infos: fn(byte_ref, tile_ref, infos, head_dim=head_dim)
-  )(byte_ref, tile_ref, tuple(infos))
+def _inline(fn, ref_types, refs, infos, head_dim):
+  """Run a `restore_mgpu` function `fn(*refs, infos, head_dim=)` on this warpgroup via `inline_mgpu`.
+
+  ref_types: `_BYTES` for the byte stage, `_TILE` for a swizzled BF16 tile; infos: per slot
+  the 3 info words (scalars, passed as splat arrays).
+  """
+  info_types = tuple((plgpu.Layout.WG_SPLAT(shape=()),) * 3 for _ in range(STEP_PAGES))
+  plgpu.inline_mgpu(arg_types=(*ref_types, info_types))(
+      lambda ctx, *args: fn(*args, head_dim=head_dim))(*refs, tuple(infos))
 
 
 def _copy_or_arrive(src, dst, barrier, predicate):
@@ -361,6 +357,8 @@ def _copy_or_arrive(src, dst, barrier, predicate):
 
 
 _TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+_BYTES = plgpu.RefType()  # the byte stage (no transforms)
+_TILE = plgpu.RefType(transforms=_TRANSFORMS)  # a [64, D] BF16 tile
 
 
 def _arrivals(compressed: bool, nb: int) -> int:

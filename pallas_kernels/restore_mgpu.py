@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 
-import jax.experimental.mosaic.gpu as mgpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, scf
 from jax.experimental.mosaic.gpu import utils as mu
@@ -75,11 +74,6 @@ def _gep(ptr, offset):
 
 def _load32(ptr, offset):
   return llvm.load(_i32(), _gep(ptr, offset))
-
-
-def _if(cond):
-  op = scf.IfOp(cond)
-  return op
 
 
 def _decode_fragment(block_ptr, lane, c, slot_byte):

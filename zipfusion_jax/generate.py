@@ -68,29 +68,22 @@ def _load(args):
 CHUNK_PAGES = 16  # raw pages of one layer per store chunk: fine-grained enough for small budgets
 
 
-def serving_config(config, prompt_lens, max_new_tokens: int, max_batch: int, compressed: bool, kv_memory_mib=None):
+def serving_config(config, prompt_lens, max_new_tokens: int, max_batch: int, compressed: bool, kv_memory_mib=None,
+                   chunk_pages: int = CHUNK_PAGES):
   """The engine's geometry: slots, longest sequence, and a store from `--kv-memory-mib` (or room for all slots)."""
   from zipfusion_jax.serving.state import PAGE_SIZE, ServingConfig
 
   max_pages = -(-(max(prompt_lens) + max_new_tokens) // PAGE_SIZE)
   shape = dict(num_layers=config.layers, num_kv_heads=config.kv_heads, head_dim=config.head_dim,
-               num_slots=min(max_batch, len(prompt_lens)), max_pages=max_pages, chunk_pages=CHUNK_PAGES,
+               num_slots=min(max_batch, len(prompt_lens)), max_pages=max_pages, chunk_pages=chunk_pages,
                compressed=compressed)
   if kv_memory_mib is not None:
     try:
       return ServingConfig.from_budget(int(kv_memory_mib * 2**20), **shape)
     except ValueError as e:
       raise ValueError(f"--kv-memory-mib {kv_memory_mib:g} is too small for {config.name}: {e}") from None
-  per_layer = -(-shape["num_slots"] * max_pages // CHUNK_PAGES) + 1
+  per_layer = -(-shape["num_slots"] * max_pages // chunk_pages) + 1
   return ServingConfig(num_chunks=config.layers * per_layer, **shape)
-
-
-def _cut_at_eos(ids, eos_ids):
-  """Generated ids up to and including the first end-of-sequence token."""
-  for n, t in enumerate(ids):
-    if t in eos_ids:
-      return ids[: n + 1]
-  return ids
 
 
 class _Streamer:
@@ -156,7 +149,7 @@ def run(args: argparse.Namespace, out=None, err=None) -> dict:
     preemptions += len(report.preempted)
     peak_live = max(peak_live, engine.allocator.capacity().live_bytes)
     if streamer is not None:
-      ids = _cut_at_eos(requests[0].generated, tok.eos_ids)
+      ids = requests[0].generated  # a request ends at its first end-of-sequence token
       for t in ids[shown:]:
         streamer(0, t)
       shown = len(ids)
@@ -167,7 +160,7 @@ def run(args: argparse.Namespace, out=None, err=None) -> dict:
     progress.close()
   results = []
   for i, ids in enumerate(prompt_ids):
-    gen = _cut_at_eos(list(requests[i].generated), tok.eos_ids) if requests else []
+    gen = list(requests[i].generated) if requests else []
     text = tok.decode(gen)
     results.append(dict(prompt=args.prompt[i], prompt_ids=list(ids), token_ids=gen, text=text))
     if not stream:
