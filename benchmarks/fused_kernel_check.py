@@ -101,18 +101,19 @@ def correctness(only=None):
 
 
 def timing(shapes, splits_list):
-  cfg = get_config("llama3.1-8b")
+  model = get_config("llama3.1-8b")
   rows = []
   for i, (batch, context) in enumerate(shapes):
-    p = problem(jax.random.key(100 + i), cfg, batch, context)
+    p = problem(jax.random.key(100 + i), model, batch, context)
     q, k, v, comp, plain, scale = (p[n] for n in ("q", "k", "v", "comp", "plain", "scale"))
     bf16_bytes, comp_bytes = p["bf16_bytes"], p["comp_bytes"]
     t, _ = cupti_us(dense_attention("cudnn", scale), q, k, v)
     rows.append(dict(kernel="cudnn_dense", batch=batch, context=context, time_us=t, bytes_read=bf16_bytes))
     print(f"cudnn_dense            B={batch} S={context} {t:8.1f} us", flush=True)
-    heur = heuristic_config(batch, cfg.kv_heads, plain.max_pages)
+    heur = heuristic_config(batch, model.kv_heads, plain.max_pages)
     variants = [(s, {}) for s in sorted(set(splits_list + [heur.splits]))]
     variants += [(heur.splits, {"pipeline_metadata": True}), (heur.splits, {"split_restore": True})]
+    variants += [(heur.splits, {"stages": n}) for n in (3, 4)]
     for splits, knobs in variants:
       for name, cache, nbytes in (("zipfusion_compressed", comp, comp_bytes), ("zipfusion_uncompressed", plain, bf16_bytes)):
         if "split_restore" in knobs and name.endswith("uncompressed"):
