@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import pathlib
 import statistics
 import time
@@ -32,14 +31,38 @@ from zipfusion_jax.serving.backend import PagedBackend
 from zipfusion_jax.serving.engine import Engine
 from zipfusion_jax.serving.model import ModelDecoder
 from zipfusion_jax.generate import serving_config
+from zipfusion_jax.jsonio import write_json_atomic
 from zipfusion_jax.serving.state import PAGE_SIZE
 
 
-def engine_for(config, params, batch: int, max_tokens: int, compressed: bool, chunk_pages: int = 32) -> Engine:
+def engine_for(config, params, batch: int, max_tokens: int, compressed: bool, chunk_pages: int = 32,
+               tensor_parallel=None) -> Engine:
   """An engine whose store holds `batch` sequences of `max_tokens` at raw size (no admission waits)."""
   cfg = serving_config(config, [max_tokens] * batch, 0, batch, compressed, chunk_pages=chunk_pages)
   encoder = "pallas" if jax.default_backend() == "gpu" else "reference"
-  return Engine(ModelDecoder(config), PagedBackend(cfg, encoder=encoder), params, max_prefills_per_step=batch)
+  return Engine(ModelDecoder(config), PagedBackend(cfg, encoder=encoder), params, max_prefills_per_step=batch,
+                tensor_parallel=tensor_parallel)
+
+
+def measure(engine: Engine, prompts: list[list[int]], decode_steps: int) -> dict:
+  """Warm up (compile), admit every prompt in one step, then time `decode_steps` engine steps.
+
+  Returns {"prefill_s", "step_s" (median), "tokens" (request 0's generated ids)}.
+  """
+  warm = engine.submit(prompts[0][:PAGE_SIZE + 1], 2)  # compiles prefill and decode
+  engine.run()
+  assert warm.done
+  reqs = [engine.submit(p, decode_steps + 1) for p in prompts]
+  t0 = time.perf_counter()
+  engine.step()  # admits (prefills) every request, then the first decode
+  prefill_s = time.perf_counter() - t0
+  assert all(r.slot is not None or r.done for r in reqs), "not every request was admitted at once"
+  times = []
+  for _ in range(decode_steps):
+    t0 = time.perf_counter()
+    engine.step()
+    times.append(time.perf_counter() - t0)
+  return dict(prefill_s=prefill_s, step_s=statistics.median(times), tokens=list(reqs[0].generated))
 
 
 def run_model(name: str, batch: int, context: int, decode_steps: int, seed: int = 0) -> list[dict]:
@@ -50,20 +73,8 @@ def run_model(name: str, batch: int, context: int, decode_steps: int, seed: int 
   rows = []
   for kv in ("compressed", "uncompressed"):
     engine = engine_for(config, params, batch, context + decode_steps + 2, kv == "compressed")
-    warm = engine.submit(prompts[0][:PAGE_SIZE + 1], 2)  # compiles prefill and decode
-    engine.run()
-    assert warm.done
-    reqs = [engine.submit(p, decode_steps + 1) for p in prompts]
-    t0 = time.perf_counter()
-    engine.step()  # admits (prefills) every request, then the first decode
-    prefill_s = time.perf_counter() - t0
-    assert all(r.slot is not None or r.done for r in reqs), "not every request was admitted at once"
-    times = []
-    for _ in range(decode_steps):
-      t0 = time.perf_counter()
-      engine.step()
-      times.append(time.perf_counter() - t0)
-    step = statistics.median(times)
+    m = measure(engine, prompts, decode_steps)
+    prefill_s, step = m["prefill_s"], m["step_s"]
     cfg, alloc = engine.cfg, engine.allocator
     rows.append(dict(
         model=name, kv=kv, batch=batch, context=context, prefill_tokens_per_s=batch * context / prefill_s,
@@ -71,6 +82,7 @@ def run_model(name: str, batch: int, context: int, decode_steps: int, seed: int 
         compression_ratio=alloc.ratio if alloc.measured_pages else None, weights="random"))
     print(f"{name:14s} kv={kv:12s} B={batch} S={context}: prefill {rows[-1]['prefill_tokens_per_s']:9.0f} tok/s, "
           f"decode step {rows[-1]['decode_step_ms']:8.2f} ms = {rows[-1]['decode_tokens_per_s']:8.1f} tok/s", flush=True)
+    del engine  # free this store before the next one is allocated
   return rows
 
 
@@ -83,11 +95,16 @@ def main(argv=None):
   p.add_argument("--out", type=pathlib.Path, default=None)
   a = p.parse_args(argv)
   rows = [r for m in a.models.split(",") for r in run_model(m, a.batch, a.context, a.decode_steps)]
+  return save_result(a.out, rows)
+
+
+def save_result(out: pathlib.Path | None, rows: list[dict], **extra) -> dict:
+  """{"device", "jax", "date", "rows", **extra}, written to `out` (when given) in one piece."""
   result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
-                rows=rows)
-  if a.out:
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
+                rows=rows, **extra)
+  if out:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(str(out), result)
   return result
 
 

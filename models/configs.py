@@ -36,6 +36,10 @@ class ModelConfig:
     rms_eps: RMSNorm epsilon; qk_norm: Qwen3's per-head RMSNorm on q and k.
     tie_embeddings: the LM head is the transposed token embedding.
     max_position: context length (longest prompt plus generated tokens).
+    tp_axis: set only on the per-shard config that tensor parallelism runs inside `shard_map`
+      (`zipfusion_jax.serving.tensor_parallel`): heads and the MLP width are this shard's, and the
+      partial sums of the attention output projection and of the MLP down projection are
+      all-reduced over this mesh axis. None: one device.
   """
 
   name: str
@@ -52,6 +56,7 @@ class ModelConfig:
   tie_embeddings: bool = False
   rope_scaling: RopeScaling | None = None
   max_position: int = 8192
+  tp_axis: str | None = None
 
   def __post_init__(self):
     if self.q_heads % self.kv_heads:

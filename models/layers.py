@@ -30,6 +30,15 @@ def linear(x: BFloat16[Array, "... I"], w: BFloat16[Array, "I O"]) -> BFloat16[A
   return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
+def row_parallel_linear(x: BFloat16[Array, "... I"], w: BFloat16[Array, "I O"], config: ModelConfig) -> BFloat16[Array, "... O"]:
+  """`linear` whose input features may be split over `config.tp_axis`: fp32 partial sums are
+  all-reduced before the one rounding to BF16 (so tensor parallelism rounds as one device does)."""
+  y = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+  if config.tp_axis is not None:
+    y = jax.lax.psum(y, config.tp_axis)
+  return y.astype(jnp.bfloat16)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
   """float32 [head_dim // 2] inverse frequencies, with Llama-3.1 scaling when given (HF `llama3` rule)."""
   inv = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
@@ -85,15 +94,15 @@ def block_output(
     layer: LayerParams, h: BFloat16[Array, "T H"], o: BFloat16[Array, "T Hq D"], config: ModelConfig
 ) -> BFloat16[Array, "T H"]:
   """Second half of a block: output projection of the attention o, residual add, SwiGLU MLP, residual add."""
-  h = h + linear(o.reshape(o.shape[0], -1), layer.wo)
-  return h + mlp(layer, rms_norm(h, layer.mlp_norm, config.rms_eps))
+  h = h + row_parallel_linear(o.reshape(o.shape[0], -1), layer.wo, config)
+  return h + mlp(layer, rms_norm(h, layer.mlp_norm, config.rms_eps), config)
 
 
-def mlp(layer: LayerParams, x: BFloat16[Array, "T H"]) -> BFloat16[Array, "T H"]:
-  """SwiGLU: down(silu(gate(x)) * up(x)), the product in fp32."""
+def mlp(layer: LayerParams, x: BFloat16[Array, "T H"], config: ModelConfig) -> BFloat16[Array, "T H"]:
+  """SwiGLU: down(silu(gate(x)) * up(x)), the product in fp32 (the down projection row-parallel)."""
   gate = jnp.matmul(x, layer.w_gate, preferred_element_type=jnp.float32)
   up = jnp.matmul(x, layer.w_up, preferred_element_type=jnp.float32)
-  return linear((jax.nn.silu(gate) * up).astype(jnp.bfloat16), layer.w_down)
+  return row_parallel_linear((jax.nn.silu(gate) * up).astype(jnp.bfloat16), layer.w_down, config)
 
 
 def embed(params: DecoderParams, tokens: Int32[Array, "T"]) -> BFloat16[Array, "T H"]:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 
+# Four CPU devices for the tensor-parallel tests (must precede the first jax import; other tests use device 0).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings

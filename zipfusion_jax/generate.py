@@ -32,7 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--kv", choices=("compressed", "uncompressed"), default="compressed", help="KV cache format")
-  p.add_argument("--kv-memory-mib", type=float, default=None, help="KV cache memory budget in MiB")
+  p.add_argument("--kv-memory-mib", type=float, default=None,
+                 help="KV cache memory budget in MiB (with --tensor-parallel N: over all N devices, 1/N each)")
   p.add_argument("--max-batch", type=int, default=8, help="prompts decoded together")
   src = p.add_mutually_exclusive_group()
   src.add_argument("--model", default=None, help=f"registry name (default {DEFAULT_MODEL})")
@@ -43,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", default=None, metavar="OUT", help="write results and stats as JSON")
+  p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                 help="shard heads, MLP and KV over N devices (N must divide the KV heads)")
   args = p.parse_args(argv)
   if args.max_new_tokens < 0:
     p.error("--max-new-tokens must be >= 0")
@@ -120,7 +123,12 @@ def run(args: argparse.Namespace, out=None, err=None) -> dict:
   from zipfusion_jax.serving.engine import Engine
   from zipfusion_jax.serving.model import ModelDecoder
 
+  from zipfusion_jax.serving.tensor_parallel import TensorParallel
+
+  tp = TensorParallel.create(args.tensor_parallel) if args.tensor_parallel != 1 else None
   model = _load(args)
+  if tp is not None:
+    tp.check(model.config)
   tok = model.tokenizer
   prompt_ids = [tok.encode_chat(p) if args.chat else tok.encode(p) for p in args.prompt]
   for ids in prompt_ids:
@@ -130,7 +138,7 @@ def run(args: argparse.Namespace, out=None, err=None) -> dict:
                        args.kv_memory_mib)
   on_gpu = jax.default_backend() == "gpu"
   engine = Engine(ModelDecoder(model.config, args.temperature, args.seed),
-                  PagedBackend(cfg, encoder="pallas" if on_gpu else "reference"), model.params)
+                  PagedBackend(cfg, encoder="pallas" if on_gpu else "reference"), model.params, tensor_parallel=tp)
   stream = len(args.prompt) == 1
   t0 = time.perf_counter()
   from zipfusion_jax.serving.scheduler import RequestTooLarge
@@ -147,7 +155,7 @@ def run(args: argparse.Namespace, out=None, err=None) -> dict:
     report = engine.step()
     steps += 1
     preemptions += len(report.preempted)
-    peak_live = max(peak_live, engine.allocator.capacity().live_bytes)
+    peak_live = max(peak_live, engine.allocator.live_bytes_all_devices())
     if streamer is not None:
       ids = requests[0].generated  # a request ends at its first end-of-sequence token
       for t in ids[shown:]:
@@ -171,6 +179,7 @@ def run(args: argparse.Namespace, out=None, err=None) -> dict:
   alloc = engine.allocator
   stats = dict(
       model=model.config.name, source=model.source, kv=args.kv, kv_backend="serving-engine",
+      tensor_parallel=args.tensor_parallel,
       attention="fused Pallas kernel" if on_gpu else "jnp reference", prompts=len(args.prompt),
       prompt_tokens=sum(len(p) for p in prompt_ids), new_tokens=new_tokens, elapsed_s=elapsed,
       tokens_per_s=new_tokens / elapsed if elapsed > 0 else 0.0, steps=steps, preemptions=preemptions,

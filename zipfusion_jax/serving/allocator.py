@@ -13,7 +13,14 @@ reason) before changing anything. `commit(placement, step_units)` then
 records the sizes the device actually used (the per-step readback), which
 advances the bump pointers exactly as the device did.
 
-Byte accounting, per chunk owned by a layer:
+Tensor parallelism (`devices` > 1): every device holds its own shard of each
+page (its KV heads) in the chunk of the same id, so ownership, page ids and
+free lists are shared, but each device's bump pointer advances by its own
+shard's size. A page is placed only where it fits on every device (the room
+of a chunk is that of its fullest device), and capacity is that of the
+fullest device: the store admits only what fits everywhere.
+
+Byte accounting, per chunk owned by a layer (per device):
   live (pages in use) + dead (freed pages, held until the chunk frees)
   + room (chunk_units - fill). Room of a layer's current chunk is *free*;
   room of an older chunk is *stranded* (less than a raw page was left).
@@ -23,6 +30,7 @@ Byte accounting, per chunk owned by a layer:
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 
 import numpy as np
@@ -83,26 +91,66 @@ class ChunkAllocator:
   """Page ids and chunk accounting of one `ServingConfig` (mirrors the device bump pointers).
 
   Args:
-    cfg: the geometry.
+    cfg: the geometry of one device's store (its KV heads).
     prior_ratio: compression ratio assumed for `expected_tokens` before any page is measured.
+    devices: tensor-parallel devices sharing the page ids and chunk ids (module docstring).
   """
 
-  def __init__(self, cfg: ServingConfig, prior_ratio: float = 1.0):
+  def __init__(self, cfg: ServingConfig, prior_ratio: float = 1.0, devices: int = 1):
+    if devices < 1:
+      raise ValueError(f"{devices=} must be >= 1")
     self.cfg = cfg
     self.prior_ratio = float(prior_ratio)
-    L, C, P = cfg.num_layers, cfg.num_chunks, cfg.num_page_ids
+    self.devices = devices
+    L, C, P, D = cfg.num_layers, cfg.num_chunks, cfg.num_page_ids, devices
     self.owner = np.full(C, -1, np.int32)  # layer owning each chunk, -1 free
-    self.fill = np.zeros(C, np.int64)  # units bumped
+    self.device_fill = np.zeros((D, C), np.int64)  # units bumped, per device
     self.live_pages = np.zeros(C, np.int64)
-    self.live_units = np.zeros(C, np.int64)
+    self.device_live_units = np.zeros((D, C), np.int64)
     self.current = np.full(L, -1, np.int32)  # each layer's current chunk
     self.free_chunks: collections.deque[int] = collections.deque(range(C))
     self.free_ids: collections.deque[int] = collections.deque(range(P))
     self.page_chunk = np.full((L, P), -1, np.int32)
-    self.page_size = np.zeros((L, P), np.int64)
-    self.measured_units = np.zeros(L, np.int64)  # per layer, all pages ever committed: the ratio
+    self.device_page_size = np.zeros((D, L, P), np.int64)
+    self.device_measured_units = np.zeros((D, L), np.int64)  # per layer, all pages ever committed: the ratio
     self.measured_pages = 0
     self._pending: Placement | None = None
+
+  # --- per-device views -------------------------------------------------------------
+
+  @property
+  def fill(self) -> np.ndarray:
+    """int [C]: units bumped in each chunk on its fullest device (what limits placement)."""
+    return self.device_fill.max(axis=0)
+
+  @property
+  def live_units(self) -> np.ndarray:
+    """int [C]: live units of each chunk on its fullest device (exact with one device)."""
+    return self.device_live_units.max(axis=0)
+
+  @property
+  def page_size(self) -> np.ndarray:
+    """int [L, P]: units of each live page on its largest device shard (exact with one device)."""
+    return self.device_page_size.max(axis=0)
+
+  @property
+  def measured_units(self) -> np.ndarray:
+    """int [L]: units of every page ever committed, summed over devices."""
+    return self.device_measured_units.sum(axis=0)
+
+  def live_bytes_all_devices(self) -> int:
+    """Bytes of live pages summed over every device's store."""
+    return int(self.device_live_units.sum()) * B.UNIT_BYTES
+
+  def shard(self, device: int) -> "ChunkAllocator":
+    """A one-device copy holding only `device`'s accounting (for per-shard invariant checks)."""
+    if not 0 <= device < self.devices:
+      raise ValueError(f"{device=} outside [0, {self.devices})")
+    view = copy.copy(self)
+    view.devices = 1
+    for name in ("device_fill", "device_live_units", "device_page_size", "device_measured_units"):
+      setattr(view, name, getattr(self, name)[device : device + 1].copy())
+    return view
 
   # --- reserve / commit / release -------------------------------------------------
 
@@ -151,29 +199,34 @@ class ChunkAllocator:
     grants = tuple(tuple(fresh[first[l] : first[l] + new[l]].tolist()) for l in range(cfg.num_layers))
     for l, g in enumerate(grants):
       if g:
-        self.owner[list(g)], self.fill[list(g)] = l, 0
+        self.owner[list(g)], self.device_fill[:, list(g)] = l, 0
         self.current[l] = g[-1]
     self._pending = Placement(ids, dest.astype(np.int32), grants)
     return self._pending
 
   def commit(self, placement: Placement, step_units: np.ndarray) -> None:
-    """Record the units each reserved page took (int [L, n], the step's readback)."""
+    """Record the units each reserved page took: int [L, n] (one device) or [devices, L, n], the step's readback."""
     if placement is not self._pending:
       raise ValueError("commit() takes the placement of the last reserve()")
-    self._pending = None
     cfg = self.cfg
-    units = np.asarray(step_units)[:, : placement.num_pages].astype(np.int64)
+    units = np.asarray(step_units)
+    units = units[None] if units.ndim == 2 else units
+    if units.ndim != 3 or units.shape[:2] != (self.devices, cfg.num_layers):
+      raise ValueError(f"step_units of shape {np.shape(step_units)} for {self.devices} device(s) and {cfg.num_layers} layers")
+    self._pending = None
+    units = units[:, :, : placement.num_pages].astype(np.int64)  # [D, L, n]
     lo, hi = cfg.min_page_units, cfg.page_units
     if placement.num_pages and (units.min() < lo or units.max() > hi):
       raise ValueError(f"page sizes {units.min()}..{units.max()} units lie outside [{lo}, {hi}]: device and host disagree")
     dest, ids = placement.dest_chunk.astype(np.int64), placement.page_ids
-    np.add.at(self.fill, dest.ravel(), units.ravel())
     np.add.at(self.live_pages, dest.ravel(), 1)
-    np.add.at(self.live_units, dest.ravel(), units.ravel())
-    self.page_chunk[:, ids], self.page_size[:, ids] = dest, units
-    if np.any(self.fill > cfg.chunk_units):
+    for d in range(self.devices):
+      np.add.at(self.device_fill[d], dest.ravel(), units[d].ravel())
+      np.add.at(self.device_live_units[d], dest.ravel(), units[d].ravel())
+    self.page_chunk[:, ids], self.device_page_size[:, :, ids] = dest, units
+    if np.any(self.device_fill > cfg.chunk_units):
       raise ValueError("a chunk overflowed: device and host disagree")
-    self.measured_units += units.sum(axis=1)
+    self.device_measured_units += units.sum(axis=2)
     self.measured_pages += placement.num_pages
 
   def cancel(self, placement: Placement) -> None:
@@ -183,7 +236,7 @@ class ChunkAllocator:
     self._pending = None
     taken = [c for fresh in placement.grants for c in fresh]  # in the order reserve() took them
     for c in reversed(taken):
-      self.owner[c], self.fill[c] = -1, 0
+      self.owner[c], self.device_fill[:, c] = -1, 0
       self.free_chunks.appendleft(c)
     self.current = self._current_before
     for pid in reversed(placement.page_ids.tolist()):
@@ -198,8 +251,9 @@ class ChunkAllocator:
       raise ValueError(f"page ids {ids.tolist()} are not all live (or repeat)")
     chunks = self.page_chunk[:, ids].astype(np.int64)  # [L, m]
     np.subtract.at(self.live_pages, chunks.ravel(), 1)
-    np.subtract.at(self.live_units, chunks.ravel(), self.page_size[:, ids].ravel())
-    self.page_chunk[:, ids], self.page_size[:, ids] = -1, 0
+    for d in range(self.devices):
+      np.subtract.at(self.device_live_units[d], chunks.ravel(), self.device_page_size[d][:, ids].ravel())
+    self.page_chunk[:, ids], self.device_page_size[:, :, ids] = -1, 0
     for c in np.unique(chunks).tolist():
       if self.live_pages[c] == 0:
         self._free_chunk(c)
@@ -209,7 +263,7 @@ class ChunkAllocator:
     l = int(self.owner[c])
     if self.current[l] == c:
       self.current[l] = -1
-    self.owner[c], self.fill[c] = -1, 0
+    self.owner[c], self.device_fill[:, c] = -1, 0
     self.free_chunks.append(c)
 
   # --- capacity ---------------------------------------------------------------------
@@ -219,13 +273,14 @@ class ChunkAllocator:
     """Raw page size over the measured mean page size, all layers (prior until something is measured)."""
     if self.measured_pages == 0:
       return self.prior_ratio
-    return self.cfg.page_units * self.measured_pages * self.cfg.num_layers / int(self.measured_units.sum())
+    raw = self.cfg.page_units * self.measured_pages * self.cfg.num_layers * self.devices
+    return raw / int(self.measured_units.sum())
 
   def _mean_page_units(self) -> np.ndarray:
-    """float [L]: measured mean units of a page in each layer (raw / prior before any)."""
+    """float [L]: measured mean units of a page in each layer on its largest device (raw / prior before any)."""
     if self.measured_pages == 0:
       return np.full(self.cfg.num_layers, self.cfg.page_units / self.prior_ratio)
-    return self.measured_units / self.measured_pages
+    return self.device_measured_units.max(axis=0) / self.measured_pages
 
   def _max_pages(self, fits, per_chunk) -> int:
     """Largest n with sum_l ceil((n - fits[l]) / per_chunk[l]) <= free chunks (and free page ids)."""
@@ -266,19 +321,23 @@ class ChunkAllocator:
     return min(self.cfg.num_page_ids, per_layer)
 
   def capacity(self) -> Capacity:
+    """The store's bytes on its fullest device (least free, then most bumped); tokens count what fits on every device."""
     cfg = self.cfg
     owned = self.owner >= 0
     current = set(int(c) for c in self.current if c >= 0)
-    room = np.where(owned, cfg.chunk_units - self.fill, 0)
     is_cur = np.zeros(cfg.num_chunks, bool)
     is_cur[list(current)] = True
     u = B.UNIT_BYTES
+    free = [(len(self.free_chunks) * cfg.chunk_units + int(np.where(is_cur, cfg.chunk_units - f, 0).sum())) for f in self.device_fill]
+    d = min(range(self.devices), key=lambda i: (free[i], -int(self.device_fill[i].sum())))  # ties: most bumped
+    fill, live = self.device_fill[d], self.device_live_units[d]
+    room = np.where(owned, cfg.chunk_units - fill, 0)
     return Capacity(
         total_bytes=cfg.store_bytes,
-        live_bytes=int(self.live_units.sum()) * u,
-        dead_bytes=int((self.fill - self.live_units)[owned].sum()) * u,
+        live_bytes=int(live.sum()) * u,
+        dead_bytes=int((fill - live)[owned].sum()) * u,
         stranded_bytes=int(room[owned & ~is_cur].sum()) * u,
-        free_bytes=(len(self.free_chunks) * cfg.chunk_units + int(room[is_cur].sum())) * u,
+        free_bytes=free[d] * u,
         worst_case_tokens=self.worst_case_pages() * PAGE_SIZE,
         expected_tokens=self.expected_pages() * PAGE_SIZE,
         ratio=self.ratio,

@@ -36,6 +36,7 @@ from zipfusion_jax.serving.allocator import ChunkAllocator, Placement
 from zipfusion_jax.serving.backend import PagedBackend
 from zipfusion_jax.serving.scheduler import Request, Scheduler
 from zipfusion_jax.serving.state import NO_PAGE, Plan, ServingConfig, ServingState, check_plan, init_state
+from zipfusion_jax.serving.tensor_parallel import TensorParallel
 
 
 class Decoder(Protocol):
@@ -116,15 +117,25 @@ class Engine:
     max_prefills_per_step: admissions per `step()`.
     prior_ratio: compression ratio assumed before any page is measured.
     overcommit: the scheduler's admission factor (1.0: reserve exactly).
+    tensor_parallel: run every step sharded over this mesh (`tensor_parallel.py`): `model` and
+      `backend` are given as for one device and are split here; `self.backend` / `self.cfg` are
+      then one device's, and the allocator admits only what fits on every device.
   """
 
   def __init__(self, model: Decoder, backend: PagedBackend, params: Any = None, *, max_prefills_per_step: int = 1,
-               prior_ratio: float = 1.0, overcommit: float = 1.0):
-    self.model, self.backend, self.params = model, backend, params
-    self.cfg = backend.cfg
-    self.allocator = ChunkAllocator(self.cfg, prior_ratio)
+               prior_ratio: float = 1.0, overcommit: float = 1.0, tensor_parallel: TensorParallel | None = None):
+    self.tp = tensor_parallel
+    if tensor_parallel is None:
+      self.model, self.backend, self.params = model, backend, params
+    else:
+      self.model = tensor_parallel.decoder(model)
+      self.backend = dataclasses.replace(backend, cfg=tensor_parallel.local_serving_config(backend.cfg))
+      self.params = tensor_parallel.shard_params(params)
+    self.cfg = self.backend.cfg
+    self.devices = 1 if tensor_parallel is None else tensor_parallel.size
+    self.allocator = ChunkAllocator(self.cfg, prior_ratio, devices=self.devices)
     self.scheduler = Scheduler(self.cfg, self.allocator, overcommit)
-    self.state: ServingState = init_state(self.cfg)
+    self.state: ServingState = init_state(self.cfg) if tensor_parallel is None else tensor_parallel.init_state(self.cfg)
     self.max_prefills_per_step = max_prefills_per_step
     self.traces: collections.Counter[str] = collections.Counter()
     self.last_aux = None
@@ -159,13 +170,19 @@ class Engine:
     padded = np.zeros(self.cfg.max_length, np.int32)
     padded[: len(tokens)] = tokens
     nxt, self.state = self._prefill(self.params, self.state, plan, padded)
-    return jax.device_get((nxt, self.state.step_units))
+    nxt, units = jax.device_get((nxt, self.state.step_units))
+    return nxt, self._per_device(units)
 
   def run_decode(self, plan: Plan, tokens: np.ndarray):
     """Validate and run one decode plan; returns the readback (next tokens, aux, step_units)."""
     check_plan(self.cfg, plan)
     nxt, aux, self.state = self._decode(self.params, self.state, plan, np.asarray(tokens, np.int32))
-    return jax.device_get((nxt, aux, self.state.step_units))
+    nxt, aux, units = jax.device_get((nxt, aux, self.state.step_units))
+    return nxt, aux, self._per_device(units)
+
+  def _per_device(self, step_units: np.ndarray) -> np.ndarray:
+    """The readback's int32 [devices * L, N] (stacked per device) as [devices, L, N]."""
+    return step_units.reshape(self.devices, self.cfg.num_layers, -1)
 
   def step(self) -> StepReport:
     """Admit, then decode every running sequence once."""
@@ -197,12 +214,12 @@ class Engine:
       nxt, aux, units = self.run_decode(plan, tokens)
       report.readback_bytes += nxt.nbytes + aux.nbytes + units.nbytes
       cols = [r.slot for r in done]
-      self.allocator.commit(placement, units[:, cols])
+      self.allocator.commit(placement, units[..., cols])
       report.decoded = len(lengths)
       self.last_aux = aux
       report.finished += [r.rid for r in sched.decoded(done, placement, nxt)]
     elif placement is not None:  # everything was preempted: nothing to decode
-      self.allocator.commit(placement, np.zeros((cfg.num_layers, 0), np.int32))
+      self.allocator.commit(placement, np.zeros((self.devices, cfg.num_layers, 0), np.int32))
     self.steps += 1
     return report
 

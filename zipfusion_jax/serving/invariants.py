@@ -165,6 +165,7 @@ def check_invariants(
     allocator: ChunkAllocator,
     running: Iterable[Request],
     shadow: Shadow | None = None,
+    tp=None,
 ) -> list[str]:
   """Every violated invariant as a sentence; [] when healthy.
 
@@ -172,9 +173,18 @@ def check_invariants(
     backend, state: the device side (read back whole: this is a test and debug tool).
     allocator: the host accounting.
     running: the running requests (slot, length and pages set).
-    shadow: the KV each request should hold (None: skip the data check).
+    shadow: the KV each request should hold, over all KV heads (None: skip the data check).
+    tp: the `TensorParallel` of a sharded engine (`backend` is then its one-device backend,
+      `engine.backend`): every device's shard is checked on its own, violations prefixed "device d:".
   """
   running = list(running)
+  if tp is not None:
+    heads, out = backend.cfg.num_kv_heads, []
+    for d in range(tp.size):
+      local = tp.device_shard(state, d, backend.cfg.compressed)
+      sliced = None if shadow is None else (lambda r, d=d: tuple(x[:, :, d * heads : (d + 1) * heads] for x in shadow(r)))
+      out += [f"device {d}: {v}" for v in check_invariants(backend, local, allocator.shard(d), running, sliced)]
+    return out
   names = ["page_table", "lengths", "chunk_fill"] + (["group_meta"] if backend.cfg.compressed else ["page_slot"])
   host = {n: np.asarray(x) for n, x in zip(names, jax.device_get([getattr(state, n) for n in names]))}
   out = _chunk_violations(allocator) + _page_violations(allocator, running)
@@ -182,3 +192,4 @@ def check_invariants(
   if shadow is not None:
     out += _data_violations(backend, state, running, shadow)
   return out
+
