@@ -10,5 +10,8 @@ out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
 python3 -m benchmarks.fused_kernel_check --out "$out/fused_kernel_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion"
 python3 -m benchmarks.attention --out "$out/attention_h200.json" 2>&1 | grep -vE "^\s*$|Warning"
-python3 -m benchmarks.generate --batch 64 --context 8192 --out "$out/generate_h200.json" 2>&1 | tail -8
+python3 -m benchmarks.generate --batch 32 --context 8192 --out "$out/generate_h200.json" 2>&1 | tail -8
 python3 -m benchmarks.capacity --overhead --out "$out/allocator_overhead_h200.json" 2>&1 | tail -5
+python3 -m benchmarks.tp --tp 1 --out "$out/tp_h200.json" 2>&1 | tail -6
+# End-to-end under one KV budget (long: run on its own call, one model per call if needed).
+python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --steps 64 --decomposition --out "$out/e2e_h200.json" 2>&1 | tail -8

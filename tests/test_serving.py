@@ -294,3 +294,25 @@ def test_a_stop_token_ends_a_request_early_and_frees_its_pages():
   cap = engine.allocator.capacity()
   assert cap.live_bytes == 0  # everything finished: no page is still held
   assert check_invariants(engine.backend, engine.state, engine.allocator, []) == []
+
+
+def test_decompress_then_attend_backend_matches_fused_bit_for_bit():
+  """The baseline backend restores pages to BF16 first; attention outputs (the stand-in's aux) agree exactly."""
+  from zipfusion_jax.serving.standin import StandInDecoder
+
+  cfg = ServingConfig(num_layers=2, num_kv_heads=2, head_dim=64, num_slots=2, max_pages=4, num_chunks=8, chunk_pages=2)
+  auxes = {}
+  for attention in ("fused", "decompress_then_attend"):
+    backend = PagedBackend(cfg, attention=attention)
+    engine = Engine(StandInDecoder(cfg, q_heads=4), backend)
+    engine.submit(np.arange(1, 35), 6)
+    engine.submit(np.arange(3, 20), 6)
+    steps = []
+    while not engine.idle:
+      if engine.step().decoded:
+        steps.append(np.asarray(engine.last_aux).view(np.uint32))
+    auxes[attention] = np.stack(steps)
+    assert backend.decompress_buffer_bytes == (0 if attention == "fused" else 2 * 2 * cfg.num_page_ids * 16 * 64 * 2)
+  np.testing.assert_array_equal(auxes["fused"], auxes["decompress_then_attend"])
+  with pytest.raises(ValueError, match="attention="):
+    PagedBackend(cfg, attention="unfused")

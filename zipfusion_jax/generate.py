@@ -185,7 +185,7 @@ def run(args: argparse.Namespace, out=None, err=None) -> dict:
       tokens_per_s=new_tokens / elapsed if elapsed > 0 else 0.0, steps=steps, preemptions=preemptions,
       compiles=dict(engine.traces), kv_store_bytes=cfg.store_bytes + cfg.metadata_bytes,
       kv_live_bytes_peak=peak_live, compression_ratio=alloc.ratio if alloc.measured_pages else None,
-      eligible_block_fraction=_eligible_fraction(cfg, alloc) if compressed else None,
+      eligible_block_fraction=eligible_block_fraction(cfg, alloc) if compressed else None,
   )
   ratio = f"{stats['compression_ratio']:.3f}x" if stats["compression_ratio"] else "n/a (no page completed)"
   elig = f", {stats['eligible_block_fraction']:.1%} of blocks in 12 bits" if stats["eligible_block_fraction"] is not None else ""
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace, out=None, err=None) -> dict:
   return payload
 
 
-def _eligible_fraction(cfg, alloc) -> float | None:
+def eligible_block_fraction(cfg, alloc) -> float | None:
   """Blocks stored in 12 bits among all completed pages (a compressed block is 3 units, raw 4)."""
   if not alloc.measured_pages:
     return None

@@ -26,11 +26,12 @@ import jax.numpy as jnp
 
 from zipfusion_jax.format import block as B
 from zipfusion_jax.format import codec
-from zipfusion_jax.paged.api import paged_decode_attention
+from zipfusion_jax.paged.api import decompress_then_attend, paged_decode_attention
 from zipfusion_jax.paged.cache import PagedKVCache, encode_page_blocks, kv_page_blocks, pad_absent_slots
 from zipfusion_jax.serving.state import PAGE_SIZE, Plan, ServingConfig, ServingState
 
 Encoder = Literal["reference", "pallas"]
+Attention = Literal["fused", "decompress_then_attend"]
 
 
 def _valid(index: jax.Array, size: int) -> jax.Array:
@@ -64,11 +65,26 @@ class PagedBackend:
     cfg: the static geometry (its `compressed` picks the store).
     encoder: "reference" (jnp, the spec; CPU) or "pallas" (the compression kernel).
     attention_impl: passed to `paged_decode_attention` (None: its default).
+    attention: "fused" (restore inside the attention kernel) or "decompress_then_attend" (the
+      lossless baseline: each layer's pages restored to a BF16 buffer, then the BF16 kernel).
   """
 
   cfg: ServingConfig
   encoder: Encoder = "reference"
   attention_impl: str | None = None
+  attention: Attention = "fused"
+
+  def __post_init__(self):
+    if self.attention not in ("fused", "decompress_then_attend"):
+      raise ValueError(f"attention={self.attention!r} must be 'fused' or 'decompress_then_attend'")
+
+  @property
+  def decompress_buffer_bytes(self) -> int:
+    """BF16 bytes decompress-then-attend materialises per layer (every page id's K and V), 0 when fused."""
+    if self.attention == "fused" or not self.cfg.compressed:
+      return 0
+    c = self.cfg
+    return 2 * c.num_kv_heads * c.num_page_ids * PAGE_SIZE * c.head_dim * 2
 
   # --- kv_ops.KVBackend -------------------------------------------------------------
 
@@ -107,7 +123,8 @@ class PagedBackend:
     state = self.append_layer(state, layer, plan, k, v)
     lengths = jnp.where(plan.active, plan.positions + 1, 0)
     view = self.layer_view(state, layer, lengths, self.next_page_table(state, plan))
-    return paged_decode_attention(q, view, impl=self.attention_impl), state
+    attend = paged_decode_attention if self.attention == "fused" else decompress_then_attend
+    return attend(q, view, impl=self.attention_impl), state
 
   def append_layer(self, state: ServingState, layer: int, plan: Plan, k, v) -> ServingState:
     """The write half of `decode_layer`: tails, and the pages this completes encoded and placed."""

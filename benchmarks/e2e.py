@@ -1,0 +1,161 @@
+"""End-to-end decode under one KV memory budget: ZipFusion vs uncompressed vs decompress-then-attend.
+
+  python -m benchmarks.e2e [--models llama3.1-8b,qwen3-8b] [--contexts 2048,8192,32768]
+      [--budget-gib 48] [--steps 256] [--warmup 8] [--max-slots 512] [--decomposition [--decomposition-shape 32x2048]]
+      [--out benchmarks/results/e2e_h200.json]
+
+Three systems, all this project's serving engine with random BF16 weights at the model's shapes:
+`zipfusion` (12-bit store, fused kernel), `uncompressed` (BF16 store, the same kernel on BF16
+pages) and `decompress_then_attend` (12-bit store; each layer's pages restored to a BF16 buffer
+before the BF16 kernel; that buffer, `PagedBackend.decompress_buffer_bytes`, is taken out of the
+budget). Largest batch: the store is built from the budget, `--max-slots` requests of `context`
+tokens are submitted, and the engine's own admission (capacity with every running request's
+generation reserved, at the measured compression ratio) decides how many run; `is_max_batch` is
+true when admission, not the slot count, was the limit. Then `--steps` decode steps are timed
+after `--warmup` (wall time per `Engine.step()`: host scheduler, plan, jitted step, readback).
+
+Decomposition (`attention_ms`, `decompress_ms`): after the timed steps, on the same state, every
+layer's attention alone (fused kernel, or the BF16 kernel on pre-restored pages) and every
+layer's page restore alone are timed; the rest of the step is everything else.
+`--decomposition` adds the motivating setting: batch 32, 2048-token prompts, no budget limit.
+
+Rows: {"model", "system", "context", "batch", "is_max_batch", "kv_budget_gib", "decode_tokens_per_s",
+"step_ms", "attention_ms", "decompress_ms", "eligible_fraction"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.compress import cupti_us
+from benchmarks.generate import save_result
+from models.configs import get_config
+from models.params import random_params
+from zipfusion_jax.generate import eligible_block_fraction, serving_config
+from zipfusion_jax.paged.api import paged_decode_attention
+from zipfusion_jax.paged.cache import restore_pages
+from zipfusion_jax.serving.backend import PagedBackend
+from zipfusion_jax.serving.engine import Engine
+from zipfusion_jax.serving.model import ModelDecoder
+from zipfusion_jax.serving.state import PAGE_SIZE, ServingConfig
+
+SYSTEMS = {  # name -> (compressed store, attention)
+    "zipfusion": (True, "fused"),
+    "uncompressed": (False, "fused"),
+    "decompress_then_attend": (True, "decompress_then_attend"),
+}
+
+
+def backend_for(config, system: str, slots: int, max_tokens: int, budget_bytes: int | None) -> PagedBackend:
+  """The system's backend; with a budget, the store fills it (less the decompression buffer)."""
+  compressed, attention = SYSTEMS[system]
+  encoder = "pallas" if jax.default_backend() == "gpu" else "reference"
+  cfg = serving_config(config, [max_tokens] * slots, 0, slots, compressed)
+  if budget_bytes is not None:
+    shape = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("num_chunks", "num_page_ids")}
+    def total(chunks):  # store + page metadata + the per-layer BF16 buffer (which grows with the page ids)
+      c = ServingConfig(num_chunks=chunks, **shape)
+      return c.store_bytes + c.metadata_bytes + PagedBackend(c, attention=attention).decompress_buffer_bytes
+
+    lo, hi = cfg.num_layers, ServingConfig.from_budget(budget_bytes, **shape).num_chunks
+    if total(lo) > budget_bytes:
+      raise ValueError(f"{budget_bytes} bytes hold no store for {system}")
+    while lo < hi:  # the largest chunk count whose total fits
+      mid = (lo + hi + 1) // 2
+      lo, hi = (mid, hi) if total(mid) <= budget_bytes else (lo, mid - 1)
+    cfg = ServingConfig(num_chunks=lo, **shape)
+  return PagedBackend(cfg, encoder=encoder, attention=attention)
+
+
+def layer_parts(engine: Engine) -> tuple[float, float]:
+  """(attention_ms, decompress_ms) of one decode step's layers, on the engine's current state."""
+  backend, state, cfg, config = engine.backend, engine.state, engine.cfg, engine.model.config
+  q = jax.random.normal(jax.random.key(0), (cfg.num_slots, config.q_heads, config.head_dim), jnp.bfloat16)
+  views = [backend.layer_view(state, l, state.lengths, state.page_table) for l in range(cfg.num_layers)]
+  decompress = backend.attention == "decompress_then_attend"
+  if decompress:
+    restore = jax.jit(lambda vs: [restore_pages(v) for v in vs])
+    decompress_us, _ = cupti_us(restore, views)
+    restored = restore(views)
+    views = [v.replace(arena=None, group_meta=None, k_pages=k, v_pages=vp, compressed=False)
+             for v, (k, vp) in zip(views, restored)]
+  attend = jax.jit(lambda q, vs: [paged_decode_attention(q, v, impl=backend.attention_impl) for v in vs])
+  attention_us, _ = cupti_us(attend, q, views)
+  return attention_us / 1e3, (decompress_us / 1e3 if decompress else 0.0)
+
+
+def run_system(config, params, system: str, context: int, steps: int, warmup: int, slots: int,
+               budget_gib: float | None) -> dict:
+  new_tokens = warmup + steps + 2  # the prefill's token and the admitting step's decode come first
+  budget = None if budget_gib is None else int(budget_gib * 2**30)
+  backend = backend_for(config, system, slots, context + new_tokens, budget)
+  engine = Engine(ModelDecoder(config), backend, params, max_prefills_per_step=slots)
+  warm = engine.submit([1] * (PAGE_SIZE + 1), 2)  # compiles prefill and decode
+  engine.run()
+  assert warm.done
+  rng = np.random.default_rng(context)
+  for _ in range(slots):
+    engine.submit(rng.integers(0, config.vocab, context).tolist(), new_tokens)
+  engine.step()  # admits until capacity (or the slots) refuse, then decodes once
+  batch = len(engine.scheduler.running)
+  for _ in range(warmup):
+    engine.step()
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    engine.step()
+    times.append(time.perf_counter() - t0)
+  step_s = statistics.mean(times)
+  attention_ms, decompress_ms = layer_parts(engine)
+  compressed = SYSTEMS[system][0]
+  return dict(
+      model=config.name, system=system, context=context, batch=batch,
+      is_max_batch=bool(engine.scheduler.waiting) and budget is not None, kv_budget_gib=budget_gib,
+      decode_tokens_per_s=batch / step_s, step_ms=1e3 * step_s, step_ms_median=1e3 * statistics.median(times),
+      attention_ms=attention_ms, decompress_ms=decompress_ms,
+      eligible_fraction=eligible_block_fraction(engine.cfg, engine.allocator) if compressed else None,
+      kv_store_bytes=engine.cfg.store_bytes + engine.cfg.metadata_bytes,
+      decompress_buffer_bytes=backend.decompress_buffer_bytes, weights="random")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--models", default="llama3.1-8b,qwen3-8b")
+  p.add_argument("--contexts", default="2048,8192,32768")
+  p.add_argument("--budget-gib", type=float, default=48.0)
+  p.add_argument("--systems", default=",".join(SYSTEMS))
+  p.add_argument("--steps", type=int, default=256)
+  p.add_argument("--warmup", type=int, default=8)
+  p.add_argument("--max-slots", type=int, default=512, help="requests offered (an upper bound on the batch)")
+  p.add_argument("--decomposition", action="store_true", help="also the decomposition setting, no budget limit")
+  p.add_argument("--decomposition-shape", default="32x2048", help="batch x prompt tokens of --decomposition")
+  p.add_argument("--out", type=pathlib.Path, default=None)
+  a = p.parse_args(argv)
+  rows = []
+  for name in a.models.split(","):
+    config = get_config(name)
+    params = random_params(config, jax.random.key(0))
+    settings = [(int(c), a.max_slots, a.budget_gib) for c in a.contexts.split(",")]
+    if a.decomposition:
+      batch, context = map(int, a.decomposition_shape.split("x"))
+      settings.append((context, batch, None))
+    for context, slots, budget in settings:
+      for system in a.systems.split(","):
+        row = run_system(config, params, system, context, a.steps, a.warmup, slots, budget)
+        rows.append(row)
+        print(f"{name:12s} {system:23s} S={context:6d} B={row['batch']:4d}{'*' if row['is_max_batch'] else ' '} "
+              f"{row['decode_tokens_per_s']:9.1f} tok/s  step {row['step_ms']:8.2f} ms  attention "
+              f"{row['attention_ms']:8.2f} ms  decompress {row['decompress_ms']:8.2f} ms", flush=True)
+  return save_result(a.out, rows)
+
+
+if __name__ == "__main__":
+  main()
