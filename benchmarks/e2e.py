@@ -143,7 +143,7 @@ def main(argv=None):
   for name in a.models.split(","):
     config = get_config(name)
     params = random_params(config, jax.random.key(0))
-    settings = [(int(c), a.max_slots, a.budget_gib) for c in a.contexts.split(",")]
+    settings = [(int(c), a.max_slots, a.budget_gib) for c in a.contexts.split(",") if c]
     if a.decomposition:
       batch, context = map(int, a.decomposition_shape.split("x"))
       settings.append((context, batch, None))
