@@ -167,16 +167,16 @@ class ShardedDecoder:
   inner: object
   tp: TensorParallel
 
-  def _sharded(self, fn, params, state, n_out: int):
-    specs = self.tp.state_specs(state.arena is not None)
+  def _sharded(self, fn, params, backend, n_out: int):
+    specs = self.tp.state_specs(backend.cfg.compressed)
     out_specs = (P(),) * n_out + (specs,)
     return jax.shard_map(fn, mesh=self.tp.mesh, in_specs=(self.tp.param_specs(params), specs, P(), P()),
                          out_specs=out_specs, check_vma=False)
 
   def prefill(self, params, backend, state, plan, tokens):
     fn = lambda p, s, pl, t: self.inner.prefill(p, backend, s, pl, t)
-    return self._sharded(fn, params, state, 1)(params, state, plan, tokens)
+    return self._sharded(fn, params, backend, 1)(params, state, plan, tokens)
 
   def decode(self, params, backend, state, plan, tokens):
     fn = lambda p, s, pl, t: self.inner.decode(p, backend, s, pl, t)
-    return self._sharded(fn, params, state, 2)(params, state, plan, tokens)
+    return self._sharded(fn, params, backend, 2)(params, state, plan, tokens)
