@@ -191,12 +191,18 @@ def decompress_reference(c: CompressedBlocks) -> jax.Array:
   lies past the payload decodes from zero bytes. `validate` reports both.
   """
   n = c.num_blocks
+  # Gather whole 256-byte units (int32 unit indices stay valid for stores past 2 GiB, where
+  # byte offsets would not); a trailing partial unit is zero-padded and reads as zeros.
+  payload = c.payload
+  if payload.shape[0] % B.UNIT_BYTES:
+    payload = jnp.pad(payload, (0, B.UNIT_BYTES - payload.shape[0] % B.UNIT_BYTES))
+  payload = payload.reshape(-1, B.UNIT_BYTES)
   payload_units = c.payload.shape[0] // B.UNIT_BYTES
   units = block_unit_offsets(c.group_meta)
   known = (c.group_meta[:, 0] >> B.VERSION_SHIFT) == B.FORMAT_VERSION
   inside = known[:, None] & (units < payload_units)
-  starts = jnp.where(inside, units * B.UNIT_BYTES, c.payload.shape[0]).reshape(-1)[:n]
-  index = starts[:, None] + jnp.arange(B.ROW_BYTES, dtype=jnp.int32)[None, :]
-  rows = jnp.take(c.payload, index, mode="fill", fill_value=0)
+  starts = jnp.where(inside, units, payload.shape[0]).reshape(-1)[:n]
+  index = starts[:, None] + jnp.arange(B.RAW_UNITS, dtype=jnp.int32)[None, :]
+  rows = jnp.take(payload, index, axis=0, mode="fill", fill_value=0).reshape(n, B.ROW_BYTES)
   bits = B.decode_rows(rows, c.meta_bytes.reshape(-1)[:n])
   return B.from_bits(bits).reshape(*c.batch_shape, B.VALUES_PER_BLOCK)
