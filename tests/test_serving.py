@@ -215,7 +215,9 @@ def test_invalid_plans_give_plan_errors():
   with pytest.raises(PlanError, match="repeats"):
     check_plan(cfg, plan.replace(new_pages=np.where(plan.new_pages >= 0, plan.new_pages[0], -1).astype(np.int32)))
   with pytest.raises(PlanError, match="chunk ids"):
-    check_plan(cfg, plan.replace(dest_chunk=np.where(plan.dest_chunk >= 0, cfg.num_chunks, -1).astype(np.int32)))
+    check_plan(cfg, plan.replace(grants=np.where(plan.grants >= 0, cfg.num_chunks, -1).astype(np.int32)))
+  with pytest.raises(PlanError, match="repeats a chunk"):
+    check_plan(cfg, plan.replace(grants=np.where(plan.grants >= 0, plan.grants.max(), -1).astype(np.int32)))
   with pytest.raises(PlanError, match="exactly where a page completes"):
     check_plan(cfg, prefill_plan(cfg, 0, 20, placement))  # 20 tokens complete 1 page, not 2
   with pytest.raises(PlanError, match="prefill_slot"):

@@ -94,7 +94,8 @@ def test_state_stays_sharded_and_collectives_are_two_all_reduces_per_layer():
     assert sharding.is_equivalent_to(jax.NamedSharding(tp.mesh, getattr(specs, field)), getattr(engine.state, field).ndim), field
   layer = engine.params.layers[0]
   assert layer.wq.sharding.shard_shape(layer.wq.shape) == (config.hidden, config.q_heads * config.head_dim // 2)
-  # The decode step as compiled: no K/V (or anything) gathered, one all-reduce per attention and MLP block.
+  # The decode step as compiled: no K/V (or anything) gathered, one all-reduce per attention and MLP block
+  # and one for the page sizes.
   from zipfusion_jax.serving.engine import decode_plan
 
   plan = decode_plan(engine.cfg, {0: 20}, [], engine.allocator.reserve(0))
@@ -102,7 +103,8 @@ def test_state_stays_sharded_and_collectives_are_two_all_reduces_per_layer():
   hlo = engine._decode.lower(engine.params, engine.state, plan, tokens).compile().as_text()
   engine.allocator.cancel(engine.allocator._pending)
   assert "all-gather" not in hlo and "all-to-all" not in hlo and "collective-permute" not in hlo
-  assert hlo.count("all-reduce(") + hlo.count("all-reduce-start(") == 2 * config.layers
+  # Per layer: attention and MLP outputs, and the page sizes the devices pack by (packing.py).
+  assert hlo.count("all-reduce(") + hlo.count("all-reduce-start(") == 3 * config.layers
 
 
 def test_embedded_smollm2_tp3_greedy_tokens(capsys, tmp_path):
@@ -148,13 +150,12 @@ def test_allocator_places_by_the_fullest_device():
   alloc = ChunkAllocator(cfg, devices=2)
   small, raw = cfg.min_page_units, cfg.page_units
   p = alloc.reserve(1)
-  alloc.commit(p, np.array([[[small]], [[raw]]]))  # device 1's shard stayed raw
-  chunk = int(p.dest_chunk[0, 0])
+  chunk = int(alloc.commit(p, np.array([[[small]], [[raw]]]))[0, 0])  # device 1's shard stayed raw
   assert alloc.fill[chunk] == raw and alloc.device_fill[:, chunk].tolist() == [small, raw]
   # Room is that of device 1: one more raw page fits the current chunk, not two.
   q = alloc.reserve(2)
-  assert q.dest_chunk[0].tolist()[0] == chunk and q.dest_chunk[0, 1] != chunk
-  alloc.commit(q, np.full((2, 1, 2), small))
+  dest = alloc.commit(q, np.full((2, 1, 2), small))
+  assert dest[0, 0] == chunk and dest[0, 1] != chunk
   cap = alloc.capacity()
   assert cap.live_bytes == (raw + 2 * small) * 256  # the fullest device's store
   assert cap.live_bytes + cap.dead_bytes + cap.stranded_bytes + cap.free_bytes == cap.total_bytes

@@ -36,6 +36,7 @@ import dataclasses
 import numpy as np
 
 from zipfusion_jax.format import block as B
+from zipfusion_jax.serving.packing import page_bins, worst_case_bins
 from zipfusion_jax.serving.state import NO_PAGE, PAGE_SIZE, ServingConfig
 
 
@@ -49,16 +50,19 @@ class AllocationRefused(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-  """Where `reserve` puts n new pages (host numpy; the plan's page fields are built from it).
+  """The room `reserve` holds for n new pages (host numpy; the plan's page fields are built from it).
+
+  The device packs the pages by their real sizes (`packing`); `ChunkAllocator.commit` replays
+  that and returns where each page went.
 
   Attributes:
     page_ids: int32 [n] new page ids, in page order.
-    dest_chunk: int32 [L, n] chunk of each page in each layer (consecutive runs).
-    grants: tuple of L tuples: chunks each layer takes fresh for these pages.
+    current_chunk: int32 [L] each layer's current chunk (-1: none), where its first pages go.
+    grants: tuple of L tuples: fresh chunks each layer holds for these pages at worst (raw).
   """
 
   page_ids: np.ndarray
-  dest_chunk: np.ndarray
+  current_chunk: np.ndarray
   grants: tuple[tuple[int, ...], ...]
 
   @property
@@ -161,7 +165,7 @@ class ChunkAllocator:
   def _new_chunks(self, n: int) -> np.ndarray:
     """int [L]: fresh chunks each layer needs for n more raw pages."""
     here = np.minimum(n, self._rooms() // self.cfg.page_units)
-    return -(-(n - here) // self.cfg.chunk_pages)
+    return worst_case_bins(n - here, self.cfg.chunk_pages)
 
   def check_reserve(self, n: int) -> str | None:
     """Why `reserve(n)` would be refused, or None when it would succeed (changes nothing)."""
@@ -183,29 +187,23 @@ class ChunkAllocator:
     reason = self.check_reserve(n)
     if reason is not None:
       raise AllocationRefused(reason)
-    cfg = self.cfg
-    self._current_before = self.current.copy()
     ids = np.array([self.free_ids.popleft() for _ in range(n)], np.int32)
-    # Pages go to the current chunk while a raw page fits its room, then chunk_pages at a time to fresh ones.
-    here = np.minimum(n, self._rooms() // cfg.page_units)  # [L]
-    new = -(-(n - here) // cfg.chunk_pages)
-    fresh = np.array([self.free_chunks.popleft() for _ in range(int(new.sum()))], np.int32)
-    first = np.cumsum(new) - new  # each layer's first fresh chunk in `fresh`
-    page = np.arange(n)[None, :]
-    k = np.maximum(page - here[:, None], 0) // cfg.chunk_pages  # [L, n] fresh-chunk index when not current
-    in_current = page < here[:, None]
-    index = np.minimum(first[:, None] + k, max(fresh.size - 1, 0))
-    dest = np.where(in_current, self.current[:, None], fresh[index] if fresh.size else NO_PAGE)
-    grants = tuple(tuple(fresh[first[l] : first[l] + new[l]].tolist()) for l in range(cfg.num_layers))
-    for l, g in enumerate(grants):
-      if g:
-        self.owner[list(g)], self.device_fill[:, list(g)] = l, 0
-        self.current[l] = g[-1]
-    self._pending = Placement(ids, dest.astype(np.int32), grants)
+    new = self._new_chunks(n)
+    fresh = [self.free_chunks.popleft() for _ in range(int(new.sum()))]
+    first = np.cumsum(new) - new
+    grants = tuple(tuple(fresh[first[l] : first[l] + new[l]]) for l in range(self.cfg.num_layers))
+    for g in grants:
+      for c in g:
+        self.device_fill[:, c] = 0
+    self._pending = Placement(ids, self.current.copy(), grants)
     return self._pending
 
-  def commit(self, placement: Placement, step_units: np.ndarray) -> None:
-    """Record the units each reserved page took: int [L, n] (one device) or [devices, L, n], the step's readback."""
+  def commit(self, placement: Placement, step_units: np.ndarray) -> np.ndarray:
+    """Record the units each reserved page took: int [L, n] (one device) or [devices, L, n], the step's readback.
+
+    Replays the device's packing (`packing.page_bins` on the largest device's sizes), returns the
+    fresh chunks no page went to, and returns int32 [L, n]: the chunk of each page in each layer.
+    """
     if placement is not self._pending:
       raise ValueError("commit() takes the placement of the last reserve()")
     cfg = self.cfg
@@ -218,7 +216,8 @@ class ChunkAllocator:
     lo, hi = cfg.min_page_units, cfg.page_units
     if placement.num_pages and (units.min() < lo or units.max() > hi):
       raise ValueError(f"page sizes {units.min()}..{units.max()} units lie outside [{lo}, {hi}]: device and host disagree")
-    dest, ids = placement.dest_chunk.astype(np.int64), placement.page_ids
+    dest = self._replay(placement, units.max(axis=0))
+    ids = placement.page_ids
     np.add.at(self.live_pages, dest.ravel(), 1)
     for d in range(self.devices):
       np.add.at(self.device_fill[d], dest.ravel(), units[d].ravel())
@@ -228,6 +227,29 @@ class ChunkAllocator:
       raise ValueError("a chunk overflowed: device and host disagree")
     self.device_measured_units += units.sum(axis=2)
     self.measured_pages += placement.num_pages
+    return dest.astype(np.int32)
+
+  def _replay(self, placement: Placement, units: np.ndarray) -> np.ndarray:
+    """int64 [L, n] chunk of each page (as the device packed them); frees unused grants, moves `current`."""
+    cfg = self.cfg
+    room = np.where(placement.current_chunk >= 0, cfg.chunk_units - self.fill[np.maximum(placement.current_chunk, 0)], 0)
+    bins = page_bins(units, room, cfg.page_units, cfg.chunk_units, max(map(len, placement.grants), default=0))  # [L, n]
+    dest = np.full(units.shape, -1, np.int64)
+    unused = []
+    for l, g in enumerate(placement.grants):
+      used = int(bins[l].max(initial=-1)) + 1
+      if used > len(g):
+        raise ValueError(f"layer {l} packed into {used} fresh chunks, {len(g)} reserved: device and host disagree")
+      dest[l] = np.where(bins[l] < 0, placement.current_chunk[l], np.asarray(g + (-1,), np.int64)[np.maximum(bins[l], 0)])
+      for c in g[:used]:
+        self.owner[c] = l
+      if used:
+        self.current[l] = g[used - 1]
+      unused += g[used:]
+    for c in reversed(unused):
+      self.device_fill[:, c] = 0
+      self.free_chunks.appendleft(c)
+    return dest
 
   def cancel(self, placement: Placement) -> None:
     """Undo a reserve whose step did not run (returns its ids and fresh chunks)."""
@@ -238,7 +260,6 @@ class ChunkAllocator:
     for c in reversed(taken):
       self.owner[c], self.device_fill[:, c] = -1, 0
       self.free_chunks.appendleft(c)
-    self.current = self._current_before
     for pid in reversed(placement.page_ids.tolist()):
       self.free_ids.appendleft(pid)
 

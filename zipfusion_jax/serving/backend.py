@@ -28,6 +28,7 @@ from zipfusion_jax.format import block as B
 from zipfusion_jax.format import codec
 from zipfusion_jax.paged.api import decompress_then_attend, paged_decode_attention
 from zipfusion_jax.paged.cache import PagedKVCache, encode_page_blocks, kv_page_blocks, pad_absent_slots
+from zipfusion_jax.serving import packing
 from zipfusion_jax.serving.state import PAGE_SIZE, Plan, ServingConfig, ServingState
 
 Encoder = Literal["reference", "pallas"]
@@ -67,12 +68,15 @@ class PagedBackend:
     attention_impl: passed to `paged_decode_attention` (None: its default).
     attention: "fused" (restore inside the attention kernel) or "decompress_then_attend" (the
       lossless baseline: each layer's pages restored to a BF16 buffer, then the BF16 kernel).
+    reduce_axis: mesh axis of tensor parallelism when the backend runs inside `shard_map`
+      (page placement then agrees across devices), else None.
   """
 
   cfg: ServingConfig
   encoder: Encoder = "reference"
   attention_impl: str | None = None
   attention: Attention = "fused"
+  reduce_axis: str | None = None
 
   def __post_init__(self):
     if self.attention not in ("fused", "decompress_then_attend"):
@@ -177,20 +181,38 @@ class PagedBackend:
 
   # --- placement --------------------------------------------------------------------
 
+  def _pack(self, state: ServingState, layer: int, plan: Plan, page_units: jax.Array, completes: jax.Array):
+    """int32 [N]: the chunk of each completed page (-1 elsewhere), by `packing.page_bins` on its size.
+
+    Under tensor parallelism every device packs by the largest device's sizes and fill (the
+    host replays exactly that), so a page id's chunk is the same on every device.
+    """
+    cfg = self.cfg
+    current = plan.current_chunk[layer]
+    current_fill = state.chunk_fill[jnp.clip(current, 0, cfg.num_chunks - 1)]
+    if self.reduce_axis is not None:
+      both = jax.lax.pmax(jnp.concatenate([page_units, current_fill[None]]), self.reduce_axis)  # one all-reduce
+      page_units, current_fill = both[:-1], both[-1]
+    room = jnp.where(current >= 0, cfg.chunk_units - current_fill, 0)
+    grants = plan.grants[layer]
+    bins = packing.page_bins(page_units[None], room[None], cfg.page_units, cfg.chunk_units, grants.shape[0], jnp)[0]
+    fresh = grants[jnp.clip(bins, 0, grants.shape[0] - 1)]
+    return jnp.where(completes, jnp.where(bins < 0, current, fresh), -1)
+
   def _place(self, state: ServingState, layer: int, plan: Plan, pages: jax.Array, completes: jax.Array):
     """Encode `pages` (bfloat16 [N, Hkv, 2, 16, D]) and write those that `completes` (bool [N]) to the store."""
     cfg = self.cfg
     n = pages.shape[0]
     C, P = cfg.num_chunks, cfg.num_page_ids
     page_ids = jnp.where(completes, plan.new_pages, -1)
-    dest = jnp.where(completes, plan.dest_chunk[layer], -1)
-    fill = state.chunk_fill.at[_valid(plan.grants[layer], C)].set(0, mode="drop")
     if cfg.compressed:
       rows, meta_bytes = _encode(pages, self.encoder)  # [N, Hkv, 2, nb, 1024], [N, Hkv, 2, 4]
       group_units = jnp.sum(B.block_units(meta_bytes), axis=-1)  # [N, Hkv, 2]
     else:
       group_units = jnp.full((n, cfg.num_kv_heads, 2), cfg.page_units // cfg.groups_per_page, jnp.int32)
     page_units = jnp.where(completes, jnp.sum(group_units, axis=(1, 2)), 0)  # [N]
+    dest = self._pack(state, layer, plan, page_units, completes)
+    fill = state.chunk_fill.at[_valid(plan.grants[layer], C)].set(0, mode="drop")
     before = jnp.cumsum(page_units) - page_units
     safe_dest = _valid(dest, C)
     run_start = jnp.full((C + 1,), jnp.iinfo(jnp.int32).max, jnp.int32).at[safe_dest].min(before)[safe_dest]

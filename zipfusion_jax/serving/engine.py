@@ -36,7 +36,7 @@ from zipfusion_jax.serving.allocator import ChunkAllocator, Placement
 from zipfusion_jax.serving.backend import PagedBackend
 from zipfusion_jax.serving.scheduler import Request, Scheduler
 from zipfusion_jax.serving.state import NO_PAGE, Plan, ServingConfig, ServingState, check_plan, init_state
-from zipfusion_jax.serving.tensor_parallel import TensorParallel
+from zipfusion_jax.serving.tensor_parallel import AXIS, TensorParallel
 
 
 class Decoder(Protocol):
@@ -68,15 +68,13 @@ def prefill_plan(cfg: ServingConfig, slot: int, length: int, placement: Placemen
   n = placement.num_pages
   new_pages = np.full(cfg.max_pages, NO_PAGE, np.int32)
   new_pages[:n] = placement.page_ids
-  dest = np.full((cfg.num_layers, cfg.max_pages), NO_PAGE, np.int32)
-  dest[:, :n] = placement.dest_chunk
   return Plan(
       positions=np.zeros(cfg.num_slots, np.int32),
       active=np.zeros(cfg.num_slots, bool),
       prefill_slot=np.int32(slot),
       prefill_length=np.int32(length),
       new_pages=new_pages,
-      dest_chunk=dest,
+      current_chunk=placement.current_chunk.astype(np.int32),
       grants=_grants(cfg, placement, cfg.max_pages),
       kind="prefill",
   )
@@ -91,17 +89,17 @@ def decode_plan(cfg: ServingConfig, lengths: dict[int, int], completing: list[in
   for s, n in lengths.items():
     positions[s], active[s] = n, True
   new_pages = np.full(S, NO_PAGE, np.int32)
-  dest = np.full((cfg.num_layers, S), NO_PAGE, np.int32)
+  if list(completing) != sorted(completing):
+    raise ValueError(f"completing slots {completing} must be in slot order (the device packs pages in slot order)")
   for i, s in enumerate(completing):
     new_pages[s] = placement.page_ids[i]
-    dest[:, s] = placement.dest_chunk[:, i]
   return Plan(
       positions=positions,
       active=active,
       prefill_slot=np.int32(-1),
       prefill_length=np.int32(0),
       new_pages=new_pages,
-      dest_chunk=dest,
+      current_chunk=placement.current_chunk.astype(np.int32),
       grants=_grants(cfg, placement, S),
       kind="decode",
   )
@@ -129,7 +127,7 @@ class Engine:
       self.model, self.backend, self.params = model, backend, params
     else:
       self.model = tensor_parallel.decoder(model)
-      self.backend = dataclasses.replace(backend, cfg=tensor_parallel.local_serving_config(backend.cfg))
+      self.backend = dataclasses.replace(backend, cfg=tensor_parallel.local_serving_config(backend.cfg), reduce_axis=AXIS)
       self.params = tensor_parallel.shard_params(params)
     self.cfg = self.backend.cfg
     self.devices = 1 if tensor_parallel is None else tensor_parallel.size

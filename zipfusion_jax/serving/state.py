@@ -227,10 +227,11 @@ class Plan:
     prefill_length: int32 [] prompt tokens of the prefill (0 in decode plans).
     new_pages: int32 [N] page id of each page this step completes, -1 where
       none: decode N = S (indexed by slot), prefill N = max_pages (by logical page).
-    dest_chunk: int32 [L, N] chunk each completed page is written to in each
-      layer, -1 where none; pages sharing a chunk are consecutive.
-    grants: int32 [L, G] chunks newly taken by each layer this step (their
-      bump pointer starts at 0), -1 padding.
+    current_chunk: int32 [L] chunk each layer fills first (-1: none); the
+      step packs its completed pages into it, then into `grants` in order, by
+      their encoded sizes (`packing.page_bins`).
+    grants: int32 [L, G] fresh chunks each layer may take this step (their
+      bump pointer starts at 0; the worst case, unused ones go back), -1 padding.
     kind: static, "decode" or "prefill".
   """
 
@@ -239,7 +240,7 @@ class Plan:
   prefill_slot: jax.Array
   prefill_length: jax.Array
   new_pages: jax.Array
-  dest_chunk: jax.Array
+  current_chunk: jax.Array
   grants: jax.Array
   kind: str = flax.struct.field(pytree_node=False, default="decode")
 
@@ -264,10 +265,10 @@ def check_plan(cfg: ServingConfig, plan: Plan) -> None:
   n = S if plan.kind == "decode" else cfg.max_pages
   g = cfg.max_grants(n)
   positions, active = np.asarray(plan.positions), np.asarray(plan.active)
-  new_pages, dest, grants = np.asarray(plan.new_pages), np.asarray(plan.dest_chunk), np.asarray(plan.grants)
+  new_pages, current, grants = np.asarray(plan.new_pages), np.asarray(plan.current_chunk), np.asarray(plan.grants)
   for name, x, shape in (
       ("positions", positions, (S,)), ("active", active, (S,)), ("new_pages", new_pages, (n,)),
-      ("dest_chunk", dest, (L, n)), ("grants", grants, (L, g)),
+      ("current_chunk", current, (L,)), ("grants", grants, (L, g)),
   ):
     if x.shape != shape:
       raise PlanError(f"plan.{name} has shape {x.shape}, expected {shape} for a {plan.kind} plan")
@@ -276,7 +277,7 @@ def check_plan(cfg: ServingConfig, plan: Plan) -> None:
     raise PlanError(f"plan.new_pages holds page ids {sorted(set(ids.tolist()))} outside [0, {cfg.num_page_ids})")
   if len(set(ids.tolist())) != ids.size:
     raise PlanError("plan.new_pages repeats a page id")
-  for name, x in (("dest_chunk", dest), ("grants", grants)):
+  for name, x in (("current_chunk", current), ("grants", grants)):
     bad = x[(x != NO_PAGE) & ((x < 0) | (x >= cfg.num_chunks))]
     if bad.size:
       raise PlanError(f"plan.{name} holds chunk ids {sorted(set(bad.tolist()))} outside [0, {cfg.num_chunks})")
@@ -293,5 +294,6 @@ def check_plan(cfg: ServingConfig, plan: Plan) -> None:
     completes = np.arange(n) < length // PAGE_SIZE
   if np.any(completes != (new_pages != NO_PAGE)):
     raise PlanError("plan.new_pages must name a page id exactly where a page completes")
-  if np.any(completes[None, :] != (dest != NO_PAGE)):
-    raise PlanError("plan.dest_chunk must name a chunk exactly where a page completes")
+  fresh = grants[grants != NO_PAGE]
+  if len(set(fresh.tolist())) != fresh.size or np.any(np.isin(current[current != NO_PAGE], fresh)):
+    raise PlanError("plan.grants repeats a chunk or names a current chunk")
