@@ -1,0 +1,105 @@
+"""Plots of the H200 results for RESULTS.md (PNGs next to it), read from benchmarks/results/*.json.
+
+  python -m benchmarks.plot_results   # writes benchmarks/e2e_throughput.png, e2e_breakdown.png,
+                                      # attention_speedup.png (only for the JSON files present)
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = pathlib.Path(__file__).parent
+RESULTS = HERE / "results"
+SYSTEMS = ("zipfusion", "uncompressed", "decompress_then_attend")
+COLORS = {"zipfusion": "tab:green", "uncompressed": "tab:blue", "decompress_then_attend": "tab:red"}
+
+
+def _load(name: str) -> dict | None:
+  path = RESULTS / name
+  return json.loads(path.read_text()) if path.exists() else None
+
+
+def e2e_throughput(result: dict, out: pathlib.Path) -> None:
+  """Decode tokens/s at each system's largest batch under the budget, per model and context."""
+  rows = [r for r in result["rows"] if r["kv_budget_gib"] is not None]
+  settings = sorted({(r["model"], r["context"], r["kv_budget_gib"]) for r in rows})
+  fig, ax = plt.subplots(figsize=(1.8 + 2.2 * len(settings), 3.6))
+  width = 0.8 / len(SYSTEMS)
+  for i, system in enumerate(SYSTEMS):
+    for j, key in enumerate(settings):
+      r = next((r for r in rows if (r["model"], r["context"], r["kv_budget_gib"]) == key and r["system"] == system), None)
+      if r is None:
+        continue
+      x = j + (i - 1) * width
+      ax.bar(x, r["decode_tokens_per_s"], width, color=COLORS[system], label=system if j == 0 else None)
+      ax.text(x, r["decode_tokens_per_s"], f"B={r['batch']}", ha="center", va="bottom", fontsize=7)
+  ax.set_xticks(range(len(settings)), [f"{m}\n{c // 1024}K, {b:g} GiB" for m, c, b in settings])
+  ax.set_ylabel("decode tokens/s")
+  ax.set_title(f"Largest batch under one KV budget ({result['device']}, {result['date']})", fontsize=9)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+  plt.close(fig)
+
+
+def e2e_breakdown(result: dict, out: pathlib.Path) -> None:
+  """Step time split into attention, decompression and everything else (the unbudgeted setting)."""
+  rows = [r for r in result["rows"] if r["kv_budget_gib"] is None]
+  if not rows:
+    return
+  fig, ax = plt.subplots(figsize=(5.5, 3.4))
+  labels = []
+  for i, r in enumerate(rows):
+    rest = r["step_ms"] - r["attention_ms"] - r["decompress_ms"]
+    ax.barh(i, r["attention_ms"], color="tab:orange", label="attention" if i == 0 else None)
+    ax.barh(i, r["decompress_ms"], left=r["attention_ms"], color="tab:red", label="decompression" if i == 0 else None)
+    ax.barh(i, rest, left=r["attention_ms"] + r["decompress_ms"], color="tab:gray", label="everything else" if i == 0 else None)
+    labels.append(f"{r['system']}\n{r['model']} B={r['batch']} S={r['context']}")
+  ax.set_yticks(range(len(rows)), labels, fontsize=7)
+  ax.set_xlabel("decode step (ms)")
+  ax.set_title(f"Step-time breakdown ({result['device']}, {result['date']})", fontsize=9)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+  plt.close(fig)
+
+
+def attention_speedup(result: dict, out: pathlib.Path) -> None:
+  """Each kernel's speed relative to cuDNN on dense BF16, per (batch, context)."""
+  rows = result["rows"]
+  shapes = sorted({(r["batch"], r["context"]) for r in rows}, key=lambda s: s[1])
+  base = {(r["batch"], r["context"]): r["time_us"] for r in rows if r["kernel"] == "cudnn_dense"}
+  kernels = ["zipfusion_compressed", "zipfusion_uncompressed", "pallas_paged", "decompress_then_attend"]
+  fig, ax = plt.subplots(figsize=(6, 3.4))
+  for k in kernels:
+    pts = [(f"{b}x{c}", base[(b, c)] / r["time_us"]) for (b, c) in shapes for r in rows
+           if r["kernel"] == k and (r["batch"], r["context"]) == (b, c) and (b, c) in base]
+    if pts:
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k)
+  ax.axhline(1.0, color="black", lw=0.8)
+  ax.axhline(4 / 3, color="gray", lw=0.8, ls="--", label="12-bit ceiling (1.33x)")
+  ax.set_xlabel("batch x context (Llama-3.1-8B, 32 q / 8 KV heads, D=128)")
+  ax.set_ylabel("speed vs cuDNN dense BF16")
+  ax.set_title(f"Decode attention ({result['device']}, {result['date']})", fontsize=9)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+  plt.close(fig)
+
+
+def main() -> None:
+  if (e2e := _load("e2e_h200.json")) is not None:
+    e2e_throughput(e2e, HERE / "e2e_throughput.png")
+    e2e_breakdown(e2e, HERE / "e2e_breakdown.png")
+  if (att := _load("attention_h200.json")) is not None:
+    attention_speedup(att, HERE / "attention_speedup.png")
+
+
+if __name__ == "__main__":
+  main()
