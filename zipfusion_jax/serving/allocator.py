@@ -1,24 +1,25 @@
 """Host-side capacity: page ids and chunks of the shared store, in Python ints and numpy.
 
 The store is `num_chunks` fixed-size chunks shared by all layers. A layer
-writes its completed pages at the bump pointer of its *current* chunk; when
-the next page might not fit (the host decides at raw size, the worst case,
-because it learns a page's compressed size only from the step's readback)
-the layer takes a fresh chunk from the free pool. A chunk goes back to the
-pool when every page in it has been freed, whatever layer owned it.
+writes its completed pages at the bump pointer of its *current* chunk, and
+opens a fresh chunk when a raw page would no longer fit (next-fit,
+`packing.page_bins`). A chunk goes back to the pool when every page in it
+has been freed, whatever layer owned it.
 
-`reserve(n)` is all-or-nothing: it computes the page ids and chunks that n
-new pages need in every layer and raises `AllocationRefused` (with the
-reason) before changing anything. `commit(placement, step_units)` then
-records the sizes the device actually used (the per-step readback), which
-advances the bump pointers exactly as the device did.
+The host learns a compressed page's size only from the step's readback, so
+`reserve(n)` is all-or-nothing at the worst case: it takes the page ids and
+the fresh chunks that n raw pages would need in every layer, or raises
+`AllocationRefused` (with the reason) before changing anything. The device
+packs the pages by their real sizes; `commit(placement, step_units)` replays
+that packing on the readback, advances the bump pointers exactly as the
+device did, and returns the fresh chunks nothing went to.
 
 Tensor parallelism (`devices` > 1): every device holds its own shard of each
 page (its KV heads) in the chunk of the same id, so ownership, page ids and
 free lists are shared, but each device's bump pointer advances by its own
-shard's size. A page is placed only where it fits on every device (the room
-of a chunk is that of its fullest device), and capacity is that of the
-fullest device: the store admits only what fits everywhere.
+shard's size. Every device packs by the largest device's page sizes and
+fill, so a page lands in the same chunk everywhere, and capacity is that of
+the fullest device: the store admits only what fits everywhere.
 
 Byte accounting, per chunk owned by a layer (per device):
   live (pages in use) + dead (freed pages, held until the chunk frees)
@@ -179,7 +180,7 @@ class ChunkAllocator:
     return None
 
   def reserve(self, n: int) -> Placement:
-    """Page ids and chunks for n new pages in every layer, at raw size; all or nothing.
+    """Page ids and fresh chunks for n new pages in every layer at raw size (the worst case); all or nothing.
 
     Raises:
       AllocationRefused: not enough page ids or chunks (nothing changed).
