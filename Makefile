@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-format test test-slow venv clean
+.PHONY: demo demo-format test test-slow test-notebooks venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ demo-format: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-notebooks: $(STAMP)
+	$(PY) -m pytest -q -m slow tests/test_notebooks.py
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

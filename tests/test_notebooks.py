@@ -1,5 +1,6 @@
-"""Notebooks execute top to bottom (slow tier): the format tour and the compressed/uncompressed attention
-comparison on the embedded SmolLM2's real KV."""
+"""Notebooks execute top to bottom (slow tier; `.ci/run` runs it after the default tier): the format tour,
+the compressed/uncompressed attention comparison on the embedded SmolLM2's real KV, and generation side
+by side in both KV formats."""
 
 import pathlib
 
@@ -11,7 +12,7 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipy
 
 
 def test_notebooks_are_found():
-  assert {"format_tour.ipynb", "compare_attention.ipynb"} <= {p.name for p in NOTEBOOKS}
+  assert {"format_tour.ipynb", "compare_attention.ipynb", "generation_side_by_side.ipynb"} <= {p.name for p in NOTEBOOKS}
 
 
 @pytest.mark.slow
