@@ -44,6 +44,13 @@ def test_host_and_device_pack_like_sequential_next_fit(data):
   assert [int(b) if d else None for b, d in zip(host, done)] == ref
   np.testing.assert_array_equal(device[done], host[done])
   assert max([r for r in ref if r is not None], default=-1) < grants  # the reservation sufficed
+  raw = np.where(units > 0, RAW, 0)  # a BF16 store: the closed form equals next-fit
+  fast = page_bins(raw[None], np.array([room]), RAW, chunk, grants, all_raw=True)[0]
+  fast_device = np.asarray(page_bins(jnp.asarray(raw[None], jnp.int32), jnp.array([room], jnp.int32), RAW, chunk,
+                                     grants, jnp, all_raw=True))[0]
+  ref_raw = next_fit(raw.tolist(), room, chunk)
+  assert [int(b) if d else None for b, d in zip(fast, done)] == ref_raw
+  np.testing.assert_array_equal(fast_device[done], fast[done])
 
 
 def test_compressed_pages_share_chunks_and_unused_grants_come_back():

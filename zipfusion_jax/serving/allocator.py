@@ -234,7 +234,8 @@ class ChunkAllocator:
     """int64 [L, n] chunk of each page (as the device packed them); frees unused grants, moves `current`."""
     cfg = self.cfg
     room = np.where(placement.current_chunk >= 0, cfg.chunk_units - self.fill[np.maximum(placement.current_chunk, 0)], 0)
-    bins = page_bins(units, room, cfg.page_units, cfg.chunk_units, max(map(len, placement.grants), default=0))  # [L, n]
+    bins = page_bins(units, room, cfg.page_units, cfg.chunk_units, max(map(len, placement.grants), default=0),
+                     all_raw=not cfg.compressed)  # [L, n]
     dest = np.full(units.shape, -1, np.int64)
     unused = []
     for l, g in enumerate(placement.grants):

@@ -195,7 +195,8 @@ class PagedBackend:
       page_units, current_fill = both[:-1], both[-1]
     room = jnp.where(current >= 0, cfg.chunk_units - current_fill, 0)
     grants = plan.grants[layer]
-    bins = packing.page_bins(page_units[None], room[None], cfg.page_units, cfg.chunk_units, grants.shape[0], jnp)[0]
+    bins = packing.page_bins(page_units[None], room[None], cfg.page_units, cfg.chunk_units, grants.shape[0], jnp,
+                             all_raw=not cfg.compressed)[0]
     fresh = grants[jnp.clip(bins, 0, grants.shape[0] - 1)]
     return jnp.where(completes, jnp.where(bins < 0, current, fresh), -1)
 

@@ -22,7 +22,7 @@ _UNROLL = 16  # grants up to which the device loop is unrolled
 _BIG = 1 << 30  # past any offset (stores are < 2^30 units), and _BIG + a chunk stays inside int32
 
 
-def page_bins(units, room, raw: int, chunk_units: int, num_bins: int, xp=np):
+def page_bins(units, room, raw: int, chunk_units: int, num_bins: int, xp=np, all_raw: bool = False):
   """int [L, n]: -1 for a page placed in the current chunk, else the index of its fresh chunk.
 
   Args:
@@ -31,11 +31,14 @@ def page_bins(units, room, raw: int, chunk_units: int, num_bins: int, xp=np):
     room: int [L] units left in each layer's current chunk (0 without one).
     raw: units of a raw page; chunk_units: units of a chunk.
     num_bins: fresh chunks granted per layer (the loop's length; pages never need more).
+    all_raw: every page is raw (a BF16 store): next-fit is then a division, no loop.
   """
   before = xp.cumsum(units, axis=-1) - units
   in_current = before + raw <= room[:, None]
   spill = xp.min(xp.where(in_current | (units == 0), _BIG, before), axis=-1, keepdims=True, initial=_BIG)
   e = xp.where(in_current, -1, before - xp.minimum(spill, before))  # offset past the first spilled page
+  if all_raw:  # pages at e = 0, raw, 2 raw, ...: exactly chunk_units // raw to a chunk
+    return xp.where(in_current, -1, xp.maximum(e, 0) // chunk_units)
   limit = chunk_units - raw  # a page fits a chunk iff it starts at most `limit` units in
   padded = xp.concatenate([e, xp.full((e.shape[0], 1), _BIG, e.dtype)], axis=1)
 
