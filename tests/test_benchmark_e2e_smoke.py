@@ -1,4 +1,5 @@
-"""CPU smoke tests of the end-to-end benchmark (tiny model, tiny budget): schema, largest batches, decomposition."""
+"""CPU smoke tests of the end-to-end benchmark (tiny model, tiny budget): schema, largest batches, decomposition;
+and of the per-kernel step profile."""
 
 from benchmarks import e2e
 
@@ -26,3 +27,13 @@ def test_e2e_decomposition_setting_is_not_budget_limited():
   row = e2e.main(["--models", "tiny-llama3", "--contexts", "", "--systems", "zipfusion", "--steps", "1", "--warmup", "0",
                   "--decomposition", "--decomposition-shape", "3x40"])["rows"][0]
   assert (row["batch"], row["context"], row["kv_budget_gib"], row["is_max_batch"]) == (3, 40, None, False)
+
+
+def test_step_profile_runs_on_cpu_and_groups_kernel_names():
+  from benchmarks import step_profile
+
+  assert step_profile.kernel_stem("input_scatter_fusion.3") == "input_scatter_fusion"
+  assert step_profile.kernel_stem("loop_add_fusion_12") == "loop_add_fusion"
+  rows = step_profile.main(["--model", "tiny-llama3", "--batch", "2", "--context", "40"])["rows"]
+  assert [r["system"] for r in rows] == ["zipfusion", "uncompressed"]
+  assert all(r["step_kernel_us"] > 0 and r["groups"] for r in rows)
