@@ -38,7 +38,7 @@ import numpy as np
 
 from zipfusion_jax.format import block as B
 from zipfusion_jax.serving.packing import page_bins, worst_case_bins
-from zipfusion_jax.serving.state import NO_PAGE, PAGE_SIZE, ServingConfig
+from zipfusion_jax.serving.state import PAGE_SIZE, ServingConfig
 
 
 class AllocationRefused(Exception):
@@ -159,9 +159,10 @@ class ChunkAllocator:
 
   # --- reserve / commit / release -------------------------------------------------
 
-  def _rooms(self) -> np.ndarray:
-    """int [L]: units left in each layer's current chunk (0 without one)."""
-    return np.where(self.current >= 0, self.cfg.chunk_units - self.fill[np.maximum(self.current, 0)], 0)
+  def _rooms(self, current: np.ndarray | None = None) -> np.ndarray:
+    """int [L]: units left in each layer's current chunk (`current`, default `self.current`; 0 without one)."""
+    current = self.current if current is None else current
+    return np.where(current >= 0, self.cfg.chunk_units - self.fill[np.maximum(current, 0)], 0)
 
   def _new_chunks(self, n: int) -> np.ndarray:
     """int [L]: fresh chunks each layer needs for n more raw pages."""
@@ -233,9 +234,8 @@ class ChunkAllocator:
   def _replay(self, placement: Placement, units: np.ndarray) -> np.ndarray:
     """int64 [L, n] chunk of each page (as the device packed them); frees unused grants, moves `current`."""
     cfg = self.cfg
-    room = np.where(placement.current_chunk >= 0, cfg.chunk_units - self.fill[np.maximum(placement.current_chunk, 0)], 0)
-    bins = page_bins(units, room, cfg.page_units, cfg.chunk_units, max(map(len, placement.grants), default=0),
-                     all_raw=not cfg.compressed)  # [L, n]
+    bins = page_bins(units, self._rooms(placement.current_chunk), cfg.page_units, cfg.chunk_units,
+                     max(map(len, placement.grants), default=0), all_raw=not cfg.compressed)  # [L, n]
     dest = np.full(units.shape, -1, np.int64)
     unused = []
     for l, g in enumerate(placement.grants):
