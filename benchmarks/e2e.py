@@ -97,10 +97,10 @@ def layer_parts(engine: Engine) -> tuple[float, float]:
   return attention_us / 1e3, (decompress_us / 1e3 if decompress else 0.0)
 
 
-def run_system(config, params, system: str, context: int, steps: int, warmup: int, slots: int,
-               budget_gib: float | None) -> dict:
-  new_tokens = warmup + steps + 2  # the prefill's token and the admitting step's decode come first
-  budget = None if budget_gib is None else int(budget_gib * 2**30)
+def admitted_engine(config, params, system: str, context: int, slots: int, new_tokens: int,
+                    budget: int | None) -> Engine:
+  """The system's engine (compiled) after offering `slots` requests of `context` random tokens
+  (`new_tokens` each) and one step: admitted until capacity (or the slots) refused, decoded once."""
   backend = backend_for(config, system, slots, context + new_tokens, budget)
   engine = Engine(ModelDecoder(config), backend, params, max_prefills_per_step=slots)
   warm = engine.submit([1] * (PAGE_SIZE + 1), 2)  # compiles prefill and decode
@@ -109,7 +109,15 @@ def run_system(config, params, system: str, context: int, steps: int, warmup: in
   rng = np.random.default_rng(context)
   for _ in range(slots):
     engine.submit(rng.integers(0, config.vocab, context).tolist(), new_tokens)
-  engine.step()  # admits until capacity (or the slots) refuse, then decodes once
+  engine.step()
+  return engine
+
+
+def run_system(config, params, system: str, context: int, steps: int, warmup: int, slots: int,
+               budget_gib: float | None) -> dict:
+  new_tokens = warmup + steps + 2  # the prefill's token and the admitting step's decode come first
+  budget = None if budget_gib is None else int(budget_gib * 2**30)
+  engine = admitted_engine(config, params, system, context, slots, new_tokens, budget)
   batch = len(engine.scheduler.running)
   for _ in range(warmup):
     engine.step()
@@ -128,7 +136,7 @@ def run_system(config, params, system: str, context: int, steps: int, warmup: in
       attention_ms=attention_ms, decompress_ms=decompress_ms,
       eligible_fraction=eligible_block_fraction(engine.cfg, engine.allocator) if compressed else None,
       kv_store_bytes=engine.cfg.store_bytes + engine.cfg.metadata_bytes,
-      decompress_buffer_bytes=backend.decompress_buffer_bytes, weights="random")
+      decompress_buffer_bytes=engine.backend.decompress_buffer_bytes, weights="random")
 
 
 def offered_slots(context: int, max_slots: int) -> int:

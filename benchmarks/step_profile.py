@@ -19,15 +19,12 @@ import pathlib
 import re
 
 import jax
-import numpy as np
 
-from benchmarks.e2e import SYSTEMS, backend_for
+from benchmarks.e2e import SYSTEMS, admitted_engine
 from benchmarks.generate import save_result
 from models.configs import get_config
 from models.params import random_params
 from zipfusion_jax.serving.engine import Engine
-from zipfusion_jax.serving.model import ModelDecoder
-from zipfusion_jax.serving.state import PAGE_SIZE
 
 
 def kernel_stem(name: str) -> str:
@@ -64,15 +61,7 @@ def profile_step(engine: Engine) -> tuple[float, list[tuple[str, float]]]:
 
 
 def run(config, params, system: str, batch: int, context: int) -> dict:
-  backend = backend_for(config, system, batch, context + 4, None)
-  engine = Engine(ModelDecoder(config), backend, params, max_prefills_per_step=batch)
-  rng = np.random.default_rng(context)
-  warm = engine.submit([1] * (PAGE_SIZE + 1), 2)
-  engine.run()
-  assert warm.done
-  for _ in range(batch):
-    engine.submit(rng.integers(0, config.vocab, context).tolist(), 4)
-  engine.step()  # admits and decodes once (compiles)
+  engine = admitted_engine(config, params, system, context, batch, new_tokens=4, budget=None)
   total, kernels = profile_step(engine)
   groups = collections.defaultdict(lambda: [0.0, 0])
   for name, us in kernels:
