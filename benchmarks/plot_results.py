@@ -2,6 +2,8 @@
 
   python -m benchmarks.plot_results   # writes benchmarks/e2e_throughput.png, e2e_breakdown.png,
                                       # attention_speedup.png (only for the JSON files present)
+
+The `draw_*` functions draw one figure's content on a given axes; the notebooks use them too.
 """
 
 from __future__ import annotations
@@ -10,14 +12,13 @@ import json
 import pathlib
 
 import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results"
 SYSTEMS = ("zipfusion", "uncompressed", "decompress_then_attend")
 COLORS = {"zipfusion": "tab:green", "uncompressed": "tab:blue", "decompress_then_attend": "tab:red"}
+KERNELS = ("zipfusion_compressed", "zipfusion_uncompressed", "pallas_paged", "decompress_then_attend")
 
 
 def _load(name: str) -> dict | None:
@@ -25,11 +26,14 @@ def _load(name: str) -> dict | None:
   return json.loads(path.read_text()) if path.exists() else None
 
 
-def e2e_throughput(result: dict, out: pathlib.Path) -> None:
+def _budget_settings(result: dict) -> list[tuple]:
+  return sorted({(r["model"], r["context"], r["kv_budget_gib"]) for r in result["rows"] if r["kv_budget_gib"] is not None})
+
+
+def draw_e2e_throughput(ax, result: dict) -> None:
   """Decode tokens/s at each system's largest batch under the budget, per model and context."""
   rows = [r for r in result["rows"] if r["kv_budget_gib"] is not None]
-  settings = sorted({(r["model"], r["context"], r["kv_budget_gib"]) for r in rows})
-  fig, ax = plt.subplots(figsize=(1.8 + 2.2 * len(settings), 3.6))
+  settings = _budget_settings(result)
   width = 0.8 / len(SYSTEMS)
   for i, system in enumerate(SYSTEMS):
     for j, key in enumerate(settings):
@@ -43,17 +47,11 @@ def e2e_throughput(result: dict, out: pathlib.Path) -> None:
   ax.set_ylabel("decode tokens/s")
   ax.set_title(f"Largest batch under one KV budget ({result['device']}, {result['date']})", fontsize=9)
   ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(out, dpi=120)
-  plt.close(fig)
 
 
-def e2e_breakdown(result: dict, out: pathlib.Path) -> None:
+def draw_e2e_breakdown(ax, result: dict) -> None:
   """Step time split into attention, decompression and everything else (the unbudgeted setting)."""
   rows = [r for r in result["rows"] if r["kv_budget_gib"] is None]
-  if not rows:
-    return
-  fig, ax = plt.subplots(figsize=(5.5, 3.4))
   labels = []
   for i, r in enumerate(rows):
     rest = r["step_ms"] - r["attention_ms"] - r["decompress_ms"]
@@ -65,19 +63,14 @@ def e2e_breakdown(result: dict, out: pathlib.Path) -> None:
   ax.set_xlabel("decode step (ms)")
   ax.set_title(f"Step-time breakdown ({result['device']}, {result['date']})", fontsize=9)
   ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(out, dpi=120)
-  plt.close(fig)
 
 
-def attention_speedup(result: dict, out: pathlib.Path) -> None:
+def draw_attention_speedup(ax, result: dict) -> None:
   """Each kernel's speed relative to cuDNN on dense BF16, per (batch, context)."""
   rows = result["rows"]
   shapes = sorted({(r["batch"], r["context"]) for r in rows}, key=lambda s: s[1])
   base = {(r["batch"], r["context"]): r["time_us"] for r in rows if r["kernel"] == "cudnn_dense"}
-  kernels = ["zipfusion_compressed", "zipfusion_uncompressed", "pallas_paged", "decompress_then_attend"]
-  fig, ax = plt.subplots(figsize=(6, 3.4))
-  for k in kernels:
+  for k in KERNELS:
     pts = [(f"{b}x{c}", base[(b, c)] / r["time_us"]) for (b, c) in shapes for r in rows
            if r["kernel"] == k and (r["batch"], r["context"]) == (b, c) and (b, c) in base]
     if pts:
@@ -88,17 +81,24 @@ def attention_speedup(result: dict, out: pathlib.Path) -> None:
   ax.set_ylabel("speed vs cuDNN dense BF16")
   ax.set_title(f"Decode attention ({result['device']}, {result['date']})", fontsize=9)
   ax.legend(fontsize=7)
+
+
+def save(draw, result: dict, out: pathlib.Path, figsize: tuple[float, float]) -> None:
+  fig, ax = plt.subplots(figsize=figsize)
+  draw(ax, result)
   fig.tight_layout()
   fig.savefig(out, dpi=120)
   plt.close(fig)
 
 
 def main() -> None:
+  matplotlib.use("Agg")  # files only (here, not at import: the notebooks draw inline with these functions)
   if (e2e := _load("e2e_h200.json")) is not None:
-    e2e_throughput(e2e, HERE / "e2e_throughput.png")
-    e2e_breakdown(e2e, HERE / "e2e_breakdown.png")
+    save(draw_e2e_throughput, e2e, HERE / "e2e_throughput.png", (1.8 + 2.2 * len(_budget_settings(e2e)), 3.6))
+    if any(r["kv_budget_gib"] is None for r in e2e["rows"]):
+      save(draw_e2e_breakdown, e2e, HERE / "e2e_breakdown.png", (5.5, 3.4))
   if (att := _load("attention_h200.json")) is not None:
-    attention_speedup(att, HERE / "attention_speedup.png")
+    save(draw_attention_speedup, att, HERE / "attention_speedup.png", (6, 3.4))
 
 
 if __name__ == "__main__":
