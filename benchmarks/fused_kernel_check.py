@@ -45,9 +45,8 @@ def case(key, batch, seq, kv_heads, group, head_dim, lengths, splits):
   scale = 1.0 / np.sqrt(head_dim)
   ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
   outs = {}
-  variants = (("compressed", comp, {}), ("compressed_split_restore", comp, {"split_restore": True}),
-              ("compressed_pipelined", comp, {"pipeline_metadata": True}), ("uncompressed", plain, {}),
-              ("uncompressed_pipelined", plain, {"pipeline_metadata": True}))
+  variants = (("compressed", comp, {}), ("compressed_stages4", comp, {"stages": 4}),
+              ("uncompressed", plain, {}), ("uncompressed_stages4", plain, {"stages": 4}))
   for name, cache, knobs in variants:
     if name.split("_")[0] not in PATHS:
       continue
@@ -100,7 +99,9 @@ def correctness(only=None):
   return results
 
 
-def timing(shapes, splits_list):
+def timing(shapes, splits_list, lean=False):
+  """CUPTI time of both paths per shape: split counts, stages=4, and the two timing probes
+  (lean: the heuristic's splits, stages 2 and 4, and the copies probe only)."""
   model = get_config("llama3.1-8b")
   rows = []
   for i, (batch, context) in enumerate(shapes):
@@ -111,13 +112,12 @@ def timing(shapes, splits_list):
     rows.append(dict(kernel="cudnn_dense", batch=batch, context=context, time_us=t, bytes_read=bf16_bytes))
     print(f"cudnn_dense            B={batch} S={context} {t:8.1f} us", flush=True)
     heur = heuristic_config(batch, model.kv_heads, plain.max_pages)
-    variants = [(s, {}) for s in sorted(set(splits_list + [heur.splits]))]
-    variants += [(heur.splits, {"pipeline_metadata": True}), (heur.splits, {"split_restore": True})]
-    variants += [(heur.splits, {"stages": n}) for n in (3, 4)]
+    variants = [(s, {}) for s in sorted(set(([] if lean else splits_list) + [heur.splits]))]
+    variants += [(heur.splits, {"stages": 4})]
+    # Where the time goes: the producer's copies alone, the consumer's work alone.
+    variants += [(heur.splits, {"timing_probe": "copies"})] + ([] if lean else [(heur.splits, {"timing_probe": "compute"})])
     for splits, knobs in variants:
       for name, cache, nbytes in (("zipfusion_compressed", comp, comp_bytes), ("zipfusion_uncompressed", plain, bf16_bytes)):
-        if "split_restore" in knobs and name.endswith("uncompressed"):
-          continue  # the flag only changes the compressed path
         cfg = DecodeConfig(splits=splits, **knobs)
         f = jax.jit(lambda q, c, cfg=cfg: decode_attention_pallas(q, c, scale, config=cfg))
         try:
@@ -140,6 +140,7 @@ def main(argv=None):
   p.add_argument("--skip-timing", action="store_true")
   p.add_argument("--only", type=int, default=None)
   p.add_argument("--paths", default="compressed,uncompressed")
+  p.add_argument("--lean", action="store_true", help="fewer timing variants (see timing())")
   a = p.parse_args(argv)
   global PATHS
   PATHS = tuple(a.paths.split(","))
@@ -148,7 +149,7 @@ def main(argv=None):
     res["correctness"] = correctness(a.only)
   shapes = [(32, 2048), (8, 8192)] if a.quick else [(32, 2048), (8, 8192), (64, 4096), (1, 32768), (128, 1024)]
   if not a.skip_timing:
-    res["timing"] = timing(shapes, [1, 2, 4])
+    res["timing"] = timing(shapes, [1, 2, 4], lean=a.lean)
   if a.out:
     pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(a.out).write_text(json.dumps(res, indent=1))

@@ -1,20 +1,22 @@
 """Fused paged decode attention over the 12-bit KV format (Mosaic GPU, Hopper).
 
-One kernel body serves both stores of `zipfusion_jax.paged.PagedKVCache`:
+One kernel body serves both stores of `zipfusion_jax.paged.PagedKVCache`. Per
+4-page step (64 tokens) of one (sequence, KV head, split):
 
-* compressed: each step a producer warpgroup TMA-copies exactly the stored
-  bytes of 4 pages' K and V groups (the fixed 3*nb-unit prefix of each group
-  plus one unit per raw block), the consumer warpgroup restores them to BF16
-  in registers (`restore_mgpu.restore_step`) and writes the swizzled SMEM tiles
-  the wgmmas read;
-* uncompressed: the producer TMA-copies the BF16 pages into the same tiles.
+* a producer warpgroup issues exactly one TMA per page and K/V: the stored bytes
+  of a compressed group (its 3*nb-unit prefix and raw units, one copy), a BF16
+  page, or the raw tail page. Page-table entries and group metadata come from
+  SMEM, gathered 128 pages at a time by all producer threads
+  (`page_prefetch_mgpu`), so no step waits on a dependent global load;
+* the consumer warpgroup computes `S^T = K Q^T` (M = 64 tokens, N = 8 query rows),
+  the online softmax down the token axis (log2 domain), and `O^T += V^T P^T`
+  (M = D). K and V^T are the wgmma A operands: compressed, they are restored from
+  the byte stage straight into A-operand registers (`restore_mgpu`; the format's
+  fragment order is the A-operand order), so restored values never touch SMEM;
+  uncompressed, they are read from the BF16 SMEM tiles (V^T as a transposed A).
 
-The raw tail page of each sequence is TMA-copied as BF16 into its slot on
-both paths. After the tiles are filled both paths run the same code: `S = Q K^T`
-with the (<= 8) query heads of one KV head as the wgmma A operand (M = 64,
-padded), online softmax in the log2 domain, `O += P V` with P in registers;
-so a compressed and an uncompressed cache of the same K/V give bit-identical
-outputs.
+The two paths run the same wgmmas on the same values, so a compressed and an
+uncompressed cache of the same K/V give bit-identical outputs.
 
 Grid: (KV heads, sequences, splits); CTA = 1 consumer + 1 producer warpgroup.
 A split covers a contiguous range of pages; split outputs are normalised
@@ -36,14 +38,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _platform
+from pallas_kernels import page_prefetch_mgpu as P
 from pallas_kernels import restore_mgpu as R
 from zipfusion_jax.format import block as FB
 from zipfusion_jax.paged.cache import PAGE_SIZE, PagedKVCache
 
 STEP_PAGES = R.PAGES_PER_STEP
 STEP_TOKENS = STEP_PAGES * PAGE_SIZE  # 64: one wgmma N for S, K for P V
+CHUNK_STEPS = P.CHUNK_PAGES // STEP_PAGES  # steps per metadata prefetch
 QROWS = 8  # query rows copied per CTA (>= heads per KV head)
-MROWS = 64  # wgmma M
+LSE_ROWS = 16  # rows of the (row-broadcast) log-sum-exp tile copied out: 512 B, a legal TMA
 LOG2E = 1.4426950408889634
 NUM_SMS = 132
 
@@ -56,49 +60,46 @@ class DecodeConfig:
     splits: CTAs per (sequence, KV head), each over a contiguous page range
       (split-K); partials are combined with their log-sum-exp.
     stages: depth of the producer -> consumer ring (TMA runs that many steps ahead).
-    split_restore: compressed path: the producer warpgroup restores V while the
-      consumer restores K and computes S (else the consumer restores both). Off by
-      default: it delays the producer's copies, which bound the kernel (H200,
-      2026-12-03, 32 x 2048 at Llama-3.1-8B shapes: 281 us on vs 228 us off).
-    pipeline_metadata: the producer loads page-table entries two steps ahead and
-      group metadata one step ahead, so no global-load latency sits between two
-      steps' copies. Off by default until measured on a GPU (it lowers for an
-      abstract H200 and passes the interpret-mode tests).
+    timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
+      waits for and releases each stage (the producer's copy rate), "compute" = the producer
+      issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
   """
 
   splits: int = 1
   stages: int = 2
-  split_restore: bool = False
-  pipeline_metadata: bool = False
+  timing_probe: str = ""
 
   def __post_init__(self):
     if self.splits < 1:
       raise ValueError(f"{self.splits=} must be >= 1")
     if not 1 <= self.stages <= 4:
       raise ValueError(f"{self.stages=} must be in [1, 4]")
+    if self.timing_probe not in ("", "copies", "compute"):
+      raise ValueError(f"{self.timing_probe=} must be '', 'copies' or 'compute'")
 
 
 def heuristic_config(batch: int, kv_heads: int, max_pages: int) -> DecodeConfig:
-  """Pick splits so the grid fills every SM while each split keeps >= 4 steps.
+  """Pick splits so the grid about fills every SM while each split keeps >= 4 steps.
 
   Decode attention is bandwidth bound: what matters is that every SM streams.
-  Fewer than 132 (Hkv x B) CTAs leave SMs idle, so split the page range until
-  the grid has a full wave, but never below 4 steps (256 tokens) per split, where
-  the per-split prologue, epilogue and combine cost more than they hide. Past
-  one wave, more splits only add combine traffic (H200, 2026-12-03: 32 x 2048
-  at Llama-3.1-8B shapes ran 7% slower with 2 splits than with 1).
+  Fewer than ~132 (Hkv x B) CTAs leave SMs idle, so split the page range until
+  the grid covers 90% of a wave, but never below 4 steps (256 tokens) per split,
+  where the per-split prologue, epilogue and combine cost more than they hide.
+  Past that, more splits only add combine traffic (H200, 2026-12-04, Llama-3.1-8B
+  shapes: 8 x 8192 runs 141 us at 2 splits (128 CTAs), 149 us at 4; 32 x 2048
+  (256 CTAs) 143 us unsplit, 151 us at 2).
   """
   ctas = batch * kv_heads
   steps = -(-max(max_pages, 1) // STEP_PAGES)
   splits = 1
-  while ctas * splits < NUM_SMS and steps // (2 * splits) >= 4:
+  while ctas * splits < 0.9 * NUM_SMS and steps // (2 * splits) >= 4:
     splits *= 2
   return DecodeConfig(splits=splits)
 
 
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
             compressed, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages,
-            split_restore, pipeline_metadata, interpret):
+            timing_probe, interpret):
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
@@ -106,13 +107,17 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
     k_tail_ref, v_tail_ref: bf16 [B, Hkv, 16, D];
     compressed: arena_ref u8 [U, 256], meta_ref u32 [Hkv, P, 2, 2];
     else: k_pages_ref, v_pages_ref bf16 [Hkv, P, 16, D];
-    o_ref: f32 [B, Hkv, splits, 8, D] (rows >= G unused); lse_ref: f32 [B, Hkv, splits, 64] (log2 domain).
+    o_ref: f32 [B, Hkv, splits, D, 8] (O^T; columns >= G unused);
+    lse_ref: f32 [B, Hkv, splits, 16, 8] (log2 domain, every row the same).
   """
   store_a, store_b, o_ref, lse_ref, scoped = refs
   nb = head_dim // 32
   kvh, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
   wg = lax.axis_index("wg")
-  (q_smem, k_smem, v_smem, byte_smem, info_smem, o_smem, lse_smem, p_smem), (q_bar, load_bars, consumed_bars, v_ready_bars) = scoped
+  (q_smem, k_smem, v_smem, byte_smem, tail_smem, info_smem, chunk_smem, pt_smem, o_smem, lse_smem), (
+      q_bar, load_bars, consumed_bars) = scoped
+  in_registers = compressed and not interpret  # restore straight into wgmma A fragments
+  tails_in_tiles = not in_registers  # else the tail page lands in `tail_smem`
 
   length = lengths_ref[b]
   full_pages = length // PAGE_SIZE
@@ -127,87 +132,126 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   @pl.when(wg == 0)
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds((b * kv_heads + kvh) * row_stride, QROWS)], q_smem.at[pl.ds(0, QROWS)], q_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds((b * kv_heads + kvh) * row_stride, QROWS)], q_smem, q_bar)
     plgpu.barrier_wait(q_bar)
-    m_i = plgpu.layout_cast(jnp.full((MROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l_i = plgpu.layout_cast(jnp.full((MROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.full((MROWS, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
+    q_t = q_smem.transpose((1, 0))  # B operand [D, 8]
+    pt_b = pt_smem.transpose((1, 0))  # B operand [64 tokens, 8]
+    m_i = plgpu.layout_cast(jnp.full((QROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+    l_rows = plgpu.layout_cast(jnp.full((STEP_TOKENS, QROWS), 0, jnp.float32), plgpu.Layout.WGMMA)
+    acc = plgpu.layout_cast(jnp.full((head_dim, QROWS), 0, jnp.float32), plgpu.Layout.WGMMA)
 
     def step(i, carry):
-      acc, m_i, l_i = carry
+      acc, m_i, l_rows = carry
       stage = lax.rem(i, stages)
       plgpu.barrier_wait(load_bars.at[stage])
+      if timing_probe == "copies":
+        plgpu.barrier_arrive(consumed_bars.at[stage])
+        return acc, m_i, l_rows
       infos = slot_infos(stage)
-      byte_ref, k_ref, v_ref = byte_smem.at[stage], k_smem.at[stage], v_smem.at[stage]
-      if interpret:  # inline PTX is not interpretable: the jnp restore of the same bytes
-        _restore_interpret(byte_smem, k_smem, v_smem, stage, infos, head_dim, compressed)
-      elif compressed and split_restore:
-        _inline(R.restore_k, (_BYTES, _TILE), (byte_ref, k_ref), infos, head_dim)
-      elif compressed:
-        _inline(R.restore_step, (_BYTES, _TILE, _TILE), (byte_ref, k_ref, v_ref), infos, head_dim)
+      if in_registers:
+        operands = (byte_smem.at[stage], tail_smem.at[stage])
+        k = _inline(R.restore_k, (_BYTES, _BYTES), operands, infos, head_dim, (STEP_TOKENS, head_dim))
+
+        def qk(acc_ref):  # V^T is restored while S^T = K Q^T runs
+          plgpu.wgmma(acc_ref, k, q_t)
+          vt = _inline(R.restore_vt, (_BYTES, _BYTES), operands, infos, head_dim, (head_dim, STEP_TOKENS))
+          return acc_ref[...], vt
+
+        s, v_operand = pl.run_scoped(qk, plgpu.ACC((STEP_TOKENS, QROWS), jnp.float32))
+        plgpu.barrier_arrive(consumed_bars.at[stage])  # the bytes are in registers: refill now
       else:
-        _inline(R.zero_absent_v, (_TILE,), (v_ref,), infos, head_dim)
-      plgpu.commit_smem()
+        if interpret:  # inline PTX is not interpretable: the jnp restore of the same bytes
+          _restore_interpret(byte_smem, k_smem, v_smem, stage, infos, head_dim, compressed)
+        else:
+          _inline(R.zero_absent_v, (_TILE,), (v_smem.at[stage],), infos, head_dim)
+        plgpu.commit_smem()
 
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_smem.at[stage].transpose((1, 0)))
-        return acc_ref[...]
-
-      s = pl.run_scoped(qk, plgpu.ACC((MROWS, STEP_TOKENS), jnp.float32))
-      tok = (first_page + i * STEP_PAGES) * PAGE_SIZE + plgpu.broadcasted_iota(
-          jnp.int32, (MROWS, STEP_TOKENS), 1, layout=plgpu.Layout.WGMMA)
-      s = jnp.where(tok < jnp.minimum(length, end_page * PAGE_SIZE), s * (scale * LOG2E), -jnp.inf)
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      l_new = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p16 = p.astype(jnp.bfloat16)
-
-      if compressed and split_restore and not interpret:
-        plgpu.barrier_wait(v_ready_bars.at[stage])
-
-      if interpret:  # a register A operand is not interpretable: P goes through SMEM
-        p_smem[...] = p16
-
-        def pv_interpret(acc_ref):
-          plgpu.wgmma(acc_ref, p_smem, v_smem.at[stage])
+        def qk_smem(acc_ref):
+          plgpu.wgmma(acc_ref, k_smem.at[stage], q_t)
           return acc_ref[...]
 
-        acc = acc + pl.run_scoped(pv_interpret, plgpu.ACC((MROWS, head_dim), jnp.float32))
+        s = pl.run_scoped(qk_smem, plgpu.ACC((STEP_TOKENS, QROWS), jnp.float32))
+        v_operand = v_smem.at[stage].transpose((1, 0))  # A operand [D, 64 tokens] from SMEM
+
+      tok = (first_page + i * STEP_PAGES) * PAGE_SIZE + plgpu.broadcasted_iota(
+          jnp.int32, (STEP_TOKENS, QROWS), 0, layout=plgpu.Layout.WGMMA)
+      s = jnp.where(tok < jnp.minimum(length, end_page * PAGE_SIZE), s * (scale * LOG2E), -jnp.inf)
+      m_new = jnp.maximum(m_i, s.max(axis=0))
+      alpha = jnp.exp2(m_i - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+      l_rows = l_rows * lax.broadcast_in_dim(alpha, l_rows.shape, [1]) + p
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+      p16 = p.astype(jnp.bfloat16)
+      if interpret:
+        pt_smem[...] = p16.T
+      else:
+        _inline_store_pt(p16, pt_smem)
+      plgpu.commit_smem()
+
+      if interpret:  # run_state over an ACC leaves a wgmma effect the interpreter cannot lower
+        def pv_interpret(acc_ref):
+          plgpu.wgmma(acc_ref, v_operand, pt_b)
+          return acc_ref[...]
+
+        acc = acc + pl.run_scoped(pv_interpret, plgpu.ACC((head_dim, QROWS), jnp.float32))
       else:
         def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[stage])
+          plgpu.wgmma(acc_ref, v_operand, pt_b)
 
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(consumed_bars.at[stage])
-      return acc, m_new, l_new
+      if not in_registers:
+        plgpu.barrier_arrive(consumed_bars.at[stage])
+      return acc, m_new, l_rows
 
-    acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+    acc, m_i, l_rows = lax.fori_loop(0, n_steps, step, (acc, m_i, l_rows))
+    l_i = l_rows.sum(axis=0)
     empty = l_i == 0
     l_safe = jnp.where(empty, 1.0, l_i)
-    o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    lse_smem[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_safe))
+    o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])
+    lse = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_safe))
+    lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [1])
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, QROWS)], o_ref.at[b, kvh, split])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kvh, split])
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, kvh, split])
+    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, LSE_ROWS)], lse_ref.at[b, kvh, split])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 1)
   def _producer():
-    plgpu.set_max_registers(96 if compressed and split_restore else 40, action="decrease")
+    plgpu.set_max_registers(40, action="decrease")
 
     num_pages = store_b.shape[1]
+    row_end = (b + 1) * max_pages  # flat page-table rows of this sequence end here
 
-    def pages_of(i):  # physical pages of step i's slots; entries past a sequence may be stale: clamp
-      return tuple(
-          jnp.clip(page_table_ref[b, jnp.minimum(first_page + i * STEP_PAGES + s, max_pages - 1)], 0, num_pages - 1)
-          for s in range(STEP_PAGES))
+    def prefetch(i):  # page-table entries and metadata of steps i .. i + CHUNK_STEPS - 1
+      row_start = b * max_pages + first_page + i * STEP_PAGES
+      if interpret:  # inline PTX is not interpretable: the same gather, one entry at a time
+        def entry(p, _):
+          row = jnp.minimum(row_start + p, row_end - 1)
+          phys = jnp.clip(page_table_ref[row // max_pages, row % max_pages], 0, num_pages - 1)
+          chunk_smem[p, 0] = phys
+          if compressed:
+            for kind in range(2):
+              word0, word1 = store_b[kvh, phys, kind, 0], store_b[kvh, phys, kind, 1]
+              n_raw = sum(((word1 >> (8 * j)) & 0xFF == R.RAW).astype(jnp.int32) for j in range(nb))
+              fields = ((word0 & 0x3FFFFFFF).astype(jnp.int32), lax.bitcast_convert_type(word1, jnp.int32), n_raw)
+              for f, value in enumerate(fields):
+                chunk_smem[p, 1 + 3 * kind + f] = value
+          return ()
 
-    def meta_of(phys):  # per slot: (K word0, K word1, V word0, V word1) of its group metadata
+        lax.fori_loop(0, P.CHUNK_PAGES, entry, ())
+        return
+      splat = plgpu.Layout.WG_SPLAT(shape=())
+      plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), splat, splat, splat))(
+          lambda ctx, *args: P.gather_pages(*args, num_pages=num_pages, nblocks=nb, compressed=compressed))(
+              page_table_ref, store_b, chunk_smem, row_start, row_end, kvh)
+
+    def entries(i):  # (physical pages, per slot ((offset, word1, raw count) of K, of V)) of step i
+      local = lax.rem(i, CHUNK_STEPS) * STEP_PAGES
+      phys = tuple(chunk_smem[local + s, 0] for s in range(STEP_PAGES))
       if not compressed:
-        return ()
-      return tuple(tuple(store_b[kvh, p, kind, w] for kind in range(2) for w in range(2)) for p in phys)
+        return phys, ()
+      return phys, tuple(tuple(tuple(chunk_smem[local + s, 1 + 3 * kind + f] for f in range(3)) for kind in range(2))
+                         for s in range(STEP_PAGES))
 
     def issue(i, phys, meta):
       stage = lax.rem(i, stages)
@@ -224,68 +268,40 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
         is_tail = in_split & (page == full_pages)
         rows = pl.ds(s * PAGE_SIZE, PAGE_SIZE)
         words = []
-        for kind, (tail_ref, stage_smem) in enumerate(((k_tail_ref, k_smem), (v_tail_ref, v_smem))):
-          _copy_or_arrive(tail_ref.at[b, kvh], stage_smem.at[stage, rows], bar, is_tail)
-          if compressed:
-            word0, word1 = meta[s][2 * kind], meta[s][2 * kind + 1]
-            offset = (word0 & 0x3FFFFFFF).astype(jnp.int32)
-            n_raw = sum(((word1 >> (8 * j)) & 0xFF == R.RAW).astype(jnp.int32) for j in range(nb))
+        for kind, (tail_ref, tile) in enumerate(((k_tail_ref, k_smem), (v_tail_ref, v_smem))):
+          tail_dst = tile.at[stage, rows] if tails_in_tiles else tail_smem.at[stage, kind]
+          copies = [(is_tail, tail_ref.at[b, kvh], tail_dst)]
+          if compressed:  # the group's 3*nb-unit prefix and its n_raw raw units: one copy
+            offset, word1, n_raw = meta[s][kind]
             dst = byte_smem.at[stage, kind, s]
-            _copy_or_arrive(store_a.at[pl.ds(offset, 3 * nb)], dst.at[pl.ds(0, 3 * nb)], bar, is_page)
-            for j in range(nb):
-              _copy_or_arrive(store_a.at[pl.ds(offset + 3 * nb + j, 1)], dst.at[pl.ds(3 * nb + j, 1)], bar,
-                              is_page & (j < n_raw))
-            words.append(lax.bitcast_convert_type(word1, jnp.int32))
+            copies += [(is_page & (n_raw == r), store_a.at[pl.ds(offset, 3 * nb + r)], dst.at[pl.ds(0, 3 * nb + r)])
+                       for r in range(nb + 1)]
+            words.append(word1)
           else:
-            pages_ref = (store_a, store_b)[kind]
-            _copy_or_arrive(pages_ref.at[kvh, phys[s]], stage_smem.at[stage, rows], bar, is_page)
+            copies.append((is_page, (store_a, store_b)[kind].at[kvh, phys[s]], tile.at[stage, rows]))
             words.append(jnp.int32(0))
+          _one_copy_or_arrive([] if timing_probe == "compute" else copies, bar)
         info_smem[stage, s, 0] = jnp.where(is_page, R.FLAG_PAGE, jnp.where(is_tail, R.FLAG_TAIL, 0)).astype(jnp.int32)
         info_smem[stage, s, 1] = words[0]
         info_smem[stage, s, 2] = words[1]
       plgpu.commit_smem()  # every producer thread's info stores land before the arrival below
       plgpu.barrier_arrive(bar)
 
-    def issue_now(i, _):  # page table, then metadata, then copies: two dependent loads per step
-      phys = pages_of(i)
-      issue(i, phys, meta_of(phys))
-      return ()
-
-    if pipeline_metadata and not (compressed and split_restore):
-      # Iteration i issues step i's copies from metadata loaded in iteration i - 1, loads step
-      # i + 1's group words (its pages were loaded in iteration i - 1) and step i + 2's page-table
-      # entries; loads block only at first use, one iteration later.
-      def issue_pipelined(i, carry):
-        phys, meta, phys_next = carry
-        issue(i, phys, meta)
-        return phys_next, meta_of(phys_next), pages_of(i + 2)
-
-      phys0 = pages_of(0)
-      lax.fori_loop(0, n_steps, issue_pipelined, (phys0, meta_of(phys0), pages_of(1)))
-      return
-
-    if not (compressed and split_restore) or interpret:
-      lax.fori_loop(0, n_steps, issue_now, ())
-      return
-
-    # Split restore: issue step i + 1, then restore V of step i while the consumer does K.
-    @pl.when(n_steps > 0)
-    def _():
-      issue_now(0, ())
-
-    def restore_v(i, _):
-      @pl.when(i + 1 < n_steps)
+    def issue_step(i, _):
+      @pl.when(lax.rem(i, CHUNK_STEPS) == 0)
       def _():
-        issue_now(i + 1, ())
+        prefetch(i)
 
-      stage = lax.rem(i, stages)
-      plgpu.barrier_wait(load_bars.at[stage])
-      _inline(R.restore_v, (_BYTES, _TILE), (byte_smem.at[stage], v_smem.at[stage]), slot_infos(stage), head_dim)
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(v_ready_bars.at[stage])
+      issue(i, *entries(i))
       return ()
 
-    lax.fori_loop(0, n_steps, restore_v, ())
+    lax.fori_loop(0, n_steps, issue_step, ())
+
+    def drain(i, _):  # observe the last `stages` releases too (every barrier phase is waited on)
+      plgpu.barrier_wait(consumed_bars.at[lax.rem(i, stages)])
+      return ()
+
+    lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, ())
 
 
 def _restore_interpret(byte_smem, k_smem, v_smem, stage, infos, head_dim, compressed):
@@ -334,24 +350,41 @@ def _page_from_blocks(bits, kind, head_dim):
   return bits[j, position]
 
 
-def _inline(fn, ref_types, refs, infos, head_dim):
+def _inline(fn, ref_types, refs, infos, head_dim, out_shape=None):
   """Run a `restore_mgpu` function `fn(*refs, infos, head_dim=)` on this warpgroup via `inline_mgpu`.
 
-  ref_types: `_BYTES` for the byte stage, `_TILE` for a swizzled BF16 tile; infos: per slot
-  the 3 info words (scalars, passed as splat arrays).
+  ref_types: `_BYTES` for a plain SMEM ref, `_TILE` for a swizzled BF16 tile; infos: per slot
+  the 3 info words (scalars, passed as splat arrays); out_shape: the bf16 WGMMA-layout array
+  `fn` returns (None: it returns nothing).
   """
   info_types = tuple((plgpu.Layout.WG_SPLAT(shape=()),) * 3 for _ in range(STEP_PAGES))
-  plgpu.inline_mgpu(arg_types=(*ref_types, info_types))(
+  ret = None if out_shape is None else plgpu.ShapeDtypeStruct(out_shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+  return plgpu.inline_mgpu(arg_types=(*ref_types, info_types), return_type=ret)(
       lambda ctx, *args: fn(*args, head_dim=head_dim))(*refs, tuple(infos))
 
 
-def _copy_or_arrive(src, dst, barrier, predicate):
-  """A conditional TMA copy that always counts one arrival on `barrier` (the copy's, or a plain one)."""
-  @pl.when(predicate)
-  def _():
-    plgpu.copy_gmem_to_smem(src, dst, barrier)
+def _inline_store_pt(p16, pt_smem):
+  """P^T into the [8, 64] B-operand tile (`restore_mgpu.store_pt`)."""
+  plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, _TILE))(lambda ctx, p, ref: R.store_pt(p, ref))(p16, pt_smem)
 
-  @pl.when(jnp.logical_not(predicate))
+
+def _one_copy_or_arrive(copies, barrier):
+  """Issue the one TMA whose predicate holds, else a plain arrival: always one arrival on `barrier`.
+
+  copies: [(predicate, src, dst)] with mutually exclusive predicates. (The `predicate=` form of
+  `copy_gmem_to_smem` skips the arrival too; one op per slot instead of one per candidate copy
+  keeps the producer's issue work at 8 ops per step.)
+  """
+  for predicate, src, dst in copies:
+    @pl.when(predicate)
+    def _():
+      plgpu.copy_gmem_to_smem(src, dst, barrier)
+
+  if not copies:
+    plgpu.barrier_arrive(barrier)
+    return
+
+  @pl.when(jnp.logical_not(functools.reduce(jnp.logical_or, [c[0] for c in copies])))
   def _():
     plgpu.barrier_arrive(barrier)
 
@@ -361,9 +394,8 @@ _BYTES = plgpu.RefType()  # the byte stage (no transforms)
 _TILE = plgpu.RefType(transforms=_TRANSFORMS)  # a [64, D] BF16 tile
 
 
-def _arrivals(compressed: bool, nb: int) -> int:
-  per_slot_kind = 1 + (1 + nb if compressed else 1)  # tail + (prefix + raw units | page)
-  return 2 * STEP_PAGES * per_slot_kind + 1  # + the producer's info arrival
+def _arrivals() -> int:
+  return 2 * STEP_PAGES + 1  # one per (slot, K/V) + the producer's info arrival
 
 
 def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig, return_lse: bool,
@@ -376,24 +408,24 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   max_pages = cache.max_pages
   pages_per_split = -(-(max_pages + 1) // (splits * STEP_PAGES)) * STEP_PAGES
   stores = (cache.arena, cache.group_meta) if cache.compressed else (cache.k_pages, cache.v_pages)
+  in_registers = cache.compressed and not interpret
   tile = lambda shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=_TRANSFORMS)
-  f32_tile = plgpu.SMEM((MROWS, head_dim), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
-  byte_units = 4 * nb
   scratch = (
       (
-          tile((MROWS, head_dim)),
-          tile((stages, STEP_TOKENS, head_dim)),
-          tile((stages, STEP_TOKENS, head_dim)),
-          plgpu.SMEM((stages, 2, STEP_PAGES, byte_units if cache.compressed else 1, R.UNIT), jnp.uint8),
+          tile((QROWS, head_dim)),
+          None if in_registers else tile((stages, STEP_TOKENS, head_dim)),
+          None if in_registers else tile((stages, STEP_TOKENS, head_dim)),
+          plgpu.SMEM((stages, 2, STEP_PAGES, 4 * nb, R.UNIT), jnp.uint8) if cache.compressed else None,
+          plgpu.SMEM((stages, 2, PAGE_SIZE, head_dim), jnp.bfloat16) if in_registers else None,
           plgpu.SMEM((stages, STEP_PAGES, 3), jnp.int32),
-          f32_tile,
-          plgpu.SMEM((MROWS,), jnp.float32),
-          tile((MROWS, STEP_TOKENS)) if interpret else None,
+          plgpu.SMEM((P.CHUNK_PAGES, P.ENTRY_WORDS), jnp.int32),
+          tile((QROWS, STEP_TOKENS)),
+          plgpu.SMEM((head_dim, QROWS), jnp.float32),
+          plgpu.SMEM((STEP_TOKENS, QROWS), jnp.float32),
       ),
       (
           plgpu.Barrier(num_barriers=1),
-          plgpu.Barrier(num_arrivals=_arrivals(cache.compressed, nb), num_barriers=stages),
-          plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+          plgpu.Barrier(num_arrivals=_arrivals(), num_barriers=stages),
           plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       ),
   )
@@ -406,7 +438,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   body = functools.partial(
       _kernel, compressed=cache.compressed, head_dim=head_dim, kv_heads=kv_heads, row_stride=row_stride,
       pages_per_split=pages_per_split, max_pages=max_pages, scale=scale, stages=stages,
-      split_restore=config.split_restore, pipeline_metadata=config.pipeline_metadata, interpret=interpret)
+      timing_probe=config.timing_probe, interpret=interpret)
 
   def entry(*refs):
     pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")
@@ -414,8 +446,8 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   o, lse = plgpu.kernel(
       entry,
       out_type=(
-          jax.ShapeDtypeStruct((batch, kv_heads, splits, QROWS, head_dim), jnp.float32),
-          jax.ShapeDtypeStruct((batch, kv_heads, splits, MROWS), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, splits, head_dim, QROWS), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, splits, LSE_ROWS, QROWS), jnp.float32),
       ),
       grid=(kv_heads, batch, splits),
       grid_names=("h", "b", "s"),
@@ -424,7 +456,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
   )(q_rows, cache.lengths, cache.page_table, cache.k_tail, cache.v_tail, *stores)
-  out, lse2 = _combine(o[:, :, :, :group], lse[:, :, :, :group])
+  out, lse2 = _combine(jnp.swapaxes(o, 3, 4)[:, :, :, :group], lse[:, :, :, 0, :group])
   out = out.reshape(batch, q_heads, head_dim).astype(jnp.bfloat16)
   if return_lse:
     return out, (lse2 * math.log(2.0)).reshape(batch, q_heads)
@@ -452,9 +484,11 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
     q: bfloat16 [B, Hq, D]; cache: a PagedKVCache (compressed or not).
     scale: softmax scale. config: None picks `heuristic_config`.
     interpret: None = interpret off-GPU. Interpret mode runs this kernel body on the
-      CPU with two static substitutions: the inline-PTX restore becomes the jnp codec
-      on the same byte stage (`_restore_interpret`) and P is staged through SMEM (a
-      register wgmma operand is not interpretable). It runs un-jitted.
+      CPU with static substitutions for what inline PTX does on the GPU: the jnp codec
+      restores the same byte stage into BF16 SMEM tiles (`_restore_interpret`; a register
+      wgmma operand is not interpretable), so K and V^T are read as on the uncompressed
+      path; P^T is stored with a jnp transpose; the metadata gather runs one entry at a
+      time. It runs un-jitted.
   """
   if config is None:
     config = heuristic_config(cache.batch, cache.num_kv_heads, cache.max_pages)

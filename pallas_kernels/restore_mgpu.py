@@ -1,8 +1,12 @@
-"""In-register restore of 12-bit KV groups into the BF16 SMEM tiles the attention wgmmas read.
+"""In-register restore of 12-bit KV groups into the wgmma A-operand fragments of decode attention.
 
 Mosaic GPU code for `plgpu.inline_mgpu`, run by the consumer warpgroup of
-`decode_attention.py` once per 4-page step. Everything here is per-thread
-integer work on 32-bit words (docs/FORMAT.md §3-§4):
+`decode_attention.py` once per 4-page step. The format's fragment order
+(docs/FORMAT.md §3) is the A-operand order of a register wgmma, so restored
+values never touch shared memory: the kernel computes `S^T = K Q^T` with K
+`[64 tokens, D]` and `O^T += V^T P^T` with V^T `[D, 64 tokens]` as register
+A operands. Everything here is per-thread integer work on 32-bit words
+(docs/FORMAT.md §3-§4):
 
 * thread (warp w, lane) owns, for a 16x16 fragment tile `c` of block `j`, the
   fragment index `k = 32c + lane`: its 8 low bytes are the two words at byte
@@ -10,34 +14,36 @@ integer work on 32-bit words (docs/FORMAT.md §3-§4):
 * `Hx = (w & 0x87878787) + hb * 0x01010101`,
   `Hy = ((w >> 4) & 0x07070707 | (w << 4) & 0x80808080) + hb * 0x01010101`,
   and `prmt(L, H, 0x5140 / 0x7362)` interleave low and high bytes into the
-  BF16 pairs `{a0 a1}, {a2 a3}` (and `{a4 a5}, {a6 a7}` from `Ly, Hy`);
-* K pairs are (token, 2 adjacent dims): one 32-bit store each into the
-  (8, 64)-tiled, 128-byte-swizzled `[64, D]` K stage; warp w restores page slot w.
-* V pairs are (dim, 2 adjacent tokens): two 16-bit stores into the V stage of
-  the same layout; warp w restores dims `16w + 64m` of every page slot.
+  BF16 pairs `{a0 a1}, {a2 a3}` (and `{a4 a5}, {a6 a7}` from `Ly, Hy`), which
+  are the fragment's four A registers in wgmma order;
+* K: warp w holds the 16 tokens of page slot w (rows 16w..16w+15 of K);
+  V^T: warp w holds dims `64m + 16w + (0..15)` of every slot (M-group m).
 
-Slots that hold the raw tail page (copied as BF16 by TMA) are skipped; slots
-past the sequence get zero V (masked probabilities are 0 and 0 * garbage could
-be NaN). The uncompressed path calls `zero_absent_v` only, so both paths run
-the same attention on the same tile layout.
+A slot holding the sequence's raw tail page (TMA-copied as BF16 into a plain
+`[2, 16, D]` SMEM buffer) is read from there; a slot past the sequence gives
+zeros (masked probabilities are 0, and 0 * garbage could be NaN). Every branch
+is warp-uniform.
 """
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, scf
+from jax._src.lib.mlir.dialects import arith, llvm, scf, vector
+from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import utils as mu
 
 PAGES_PER_STEP = 4
+PAGE = 16
 TILE_ROWS, TILE_COLS = 8, 64  # bf16 SMEM tiling; 128-byte swizzle
 TILE_BYTES = TILE_ROWS * TILE_COLS * 2
 UNIT = 256
 RAW = 0xFF
 # Per-slot flag bits in the info words the producer writes.
 FLAG_PAGE = 1  # a completed (compressed / BF16) page
-FLAG_TAIL = 2  # the raw tail page, already BF16 in the stage
+FLAG_TAIL = 2  # the raw tail page, BF16 in the tail buffer (or the tile)
 # neither: the slot lies past the sequence (or the split)
 
 
@@ -51,6 +57,10 @@ def _c(v):
 
 def _add(*xs):
   return functools.reduce(arith.addi, xs)
+
+
+def _eq(a, b):
+  return arith.cmpi(arith.CmpIPredicate.eq, a, b)
 
 
 def _swizzled_offset(row, dim, head_dim):
@@ -76,39 +86,47 @@ def _load32(ptr, offset):
   return llvm.load(_i32(), _gep(ptr, offset))
 
 
-def _decode_fragment(block_ptr, lane, c, slot_byte):
-  """The 4 BF16 pairs (as i32) of fragment `k = 32c + lane` of the block at `block_ptr`.
+def _load64(ptr, offset):
+  """Two i32 words from an 8-byte-aligned address (one 64-bit shared load)."""
+  pair = llvm.load(ir.VectorType.get((2,), _i32()), _gep(ptr, offset))
+  return [llvm.extractelement(pair, _c(i)) for i in range(2)]
 
-  slot_byte: i32 0..127 (compressed, = b/2) or 0xFF (raw); uniform across the warp.
+
+def _load16(ptr, offset):
+  return arith.extui(_i32(), llvm.load(ir.IntegerType.get_signless(16), _gep(ptr, offset)))
+
+
+def _store16(ptr, offset, value):
+  llvm.store(arith.trunci(ir.IntegerType.get_signless(16), value), _gep(ptr, offset))
+
+
+def _store32(ptr, offset, value):
+  llvm.store(value, _gep(ptr, offset))
+
+
+def _decode_fragment(block_ptr, frag, slot_byte):
+  """The 4 BF16 pairs (as i32) of fragment `frag` (= 32c + lane, an i32) of the block at `block_ptr`.
+
+  slot_byte: i32 0..127 (compressed, = b/2) or 0xFF (raw). Branch-free, so the loads of
+  all of a step's fragments can be in flight together: it loads both the code word
+  (`512 + 4k`) and the raw high words (`512 + 8k`, past a compressed block's end, still
+  inside the stage slot) and selects.
   Returns [{a0a1}, {a2a3}, {a4a5}, {a6a7}].
   """
-  i32 = _i32()
-  lo_off = arith.addi(arith.shli(lane, _c(3)), _c(256 * c))  # 8k
-  lx = _load32(block_ptr, lo_off)
-  ly = _load32(block_ptr, arith.addi(lo_off, _c(4)))
-  is_raw = arith.cmpi(arith.CmpIPredicate.eq, slot_byte, _c(RAW))
-  op = scf.IfOp(is_raw, [i32, i32], has_else=True)
-  with ir.InsertionPoint(op.then_block):  # raw: the high bytes are stored verbatim at 512 + 8k
-    raw_off = arith.addi(lo_off, _c(512))
-    scf.yield_([_load32(block_ptr, raw_off), _load32(block_ptr, arith.addi(raw_off, _c(4)))])
-  with ir.InsertionPoint(op.else_block):  # compressed: one code word at 512 + 4k
-    code = _load32(block_ptr, arith.addi(arith.shli(lane, _c(2)), _c(512 + 128 * c)))
-    bias = arith.muli(slot_byte, _c(0x01010101))
-    hx = arith.addi(arith.andi(code, _c(0x87878787 - (1 << 32))), bias)
-    hy = arith.addi(
-        arith.ori(arith.andi(arith.shrui(code, _c(4)), _c(0x07070707)),
-                  arith.andi(arith.shli(code, _c(4)), _c(0x80808080 - (1 << 32)))),
-        bias,
-    )
-    scf.yield_([hx, hy])
-  hx, hy = op.results
+  lx, ly = _load64(block_ptr, arith.shli(frag, _c(3)))  # low bytes at 8k
+  rx, ry = _load64(block_ptr, arith.addi(arith.shli(frag, _c(3)), _c(512)))
+  code = _load32(block_ptr, arith.addi(arith.shli(frag, _c(2)), _c(512)))
+  bias = arith.muli(slot_byte, _c(0x01010101))
+  hx = arith.addi(arith.andi(code, _c(0x87878787 - (1 << 32))), bias)
+  hy = arith.addi(
+      arith.ori(arith.andi(arith.shrui(code, _c(4)), _c(0x07070707)),
+                arith.andi(arith.shli(code, _c(4)), _c(0x80808080 - (1 << 32)))),
+      bias,
+  )
+  is_raw = _eq(slot_byte, _c(RAW))
+  hx, hy = arith.select(is_raw, rx, hx), arith.select(is_raw, ry, hy)
   lo_sel, hi_sel = _c(0x5140), _c(0x7362)
   return [mu.prmt(lx, hx, lo_sel), mu.prmt(lx, hx, hi_sel), mu.prmt(ly, hy, lo_sel), mu.prmt(ly, hy, hi_sel)]
-
-
-def _decode_fragment_dyn_c(block_ptr, lane, c_dyn, slot_byte):
-  """`_decode_fragment` with the tile index `c` a (warp-uniform) i32 value."""
-  return _decode_fragment(block_ptr, arith.addi(lane, arith.shli(c_dyn, _c(5))), 0, slot_byte)
 
 
 def _block_starts(word1, nblocks):
@@ -116,22 +134,12 @@ def _block_starts(word1, nblocks):
   starts, acc = [], _c(0)
   for j in range(nblocks):
     starts.append(acc)
-    byte = arith.andi(arith.shrui(word1, _c(8 * j)), _c(0xFF))
-    size = arith.select(arith.cmpi(arith.CmpIPredicate.eq, byte, _c(RAW)), _c(4), _c(3))
-    acc = arith.addi(acc, size)
+    acc = arith.addi(acc, arith.select(_eq(_slot_byte(word1, j), _c(RAW)), _c(4), _c(3)))
   return starts
 
 
 def _slot_byte(word1, j):
   return arith.andi(arith.shrui(word1, _c(8 * j)), _c(0xFF))
-
-
-def _store32(ptr, offset, value):
-  llvm.store(value, _gep(ptr, offset))
-
-
-def _store16(ptr, offset, value):
-  llvm.store(arith.trunci(ir.IntegerType.get_signless(16), value), _gep(ptr, offset))
 
 
 def _thread():
@@ -147,96 +155,157 @@ def _scalar(x):
   return reg
 
 
-def restore_step(byte_ref, k_ref, v_ref, infos, *, head_dim):
-  """Restore one step's compressed pages into the K and V stages (one warpgroup does both).
-
-  Args:
-    byte_ref: memref uint8 [2 (K, V), 4 slots, 4 * nb units, 256], this step's groups.
-    k_ref, v_ref: memrefs bf16 [64, D] ((8, 64) tiles, 128B swizzle).
-    infos: per slot (flags, k_word1, v_word1) i32 values (splat arrays).
-  """
-  restore_k(byte_ref, k_ref, infos, head_dim=head_dim)
-  restore_v(byte_ref, v_ref, infos, head_dim=head_dim)
+def _branch(cond, n, then_fn, else_fn):
+  """`n` i32 results of a warp-uniform if/else whose arms return lists of i32 values."""
+  op = scf.IfOp(cond, [_i32()] * n, has_else=True)
+  with ir.InsertionPoint(op.then_block):
+    scf.yield_(then_fn())
+  with ir.InsertionPoint(op.else_block):
+    scf.yield_(else_fn())
+  return list(op.results)
 
 
-def _setup(byte_ref, out_ref, infos, head_dim):
+def _is(flags, flag):
+  return _eq(arith.andi(flags, _c(flag)), _c(flag))
+
+
+def _select_slot(flags, n, page_words, tail_fn):
+  """A slot's words: `page_words` (decoded unconditionally), the tail's (under the only
+  branch, taken once per sequence) or zeros for a slot past the sequence."""
+  words = [arith.select(_is(flags, FLAG_PAGE), w, _c(0)) for w in page_words]
+  return _branch(_is(flags, FLAG_TAIL), n, tail_fn, lambda: words)
+
+
+def _fragments(words, shape):
+  """i32 words (flat register order) -> a bf16 WGMMA-layout FragmentedArray of `shape`."""
+  vec = ir.VectorType.get((2,), ir.BF16Type.get())
+  one = ir.VectorType.get((1,), _i32())
+  regs = [vector.bitcast(vec, vector.broadcast(one, w)) for w in words]
+  regs = np.asarray(regs, dtype=object).reshape(fa.WGMMA_LAYOUT.registers_shape(shape))
+  return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+
+def _setup(byte_ref, tail_ref, infos):
   warp, lane = _thread()
   g, t = arith.shrui(lane, _c(2)), arith.andi(lane, _c(3))
   infos = [tuple(_scalar(x) for x in info) for info in infos]
-  return warp, lane, g, t, mu.memref_ptr(byte_ref), mu.memref_ptr(out_ref), 4 * (head_dim // 32) * UNIT, infos
+  return warp, lane, g, t, mu.memref_ptr(byte_ref), mu.memref_ptr(tail_ref), infos
 
 
-def restore_k(byte_ref, k_ref, infos, *, head_dim):
-  """K half of `restore_step`: warp w restores page slot w into the K stage."""
+def restore_k(byte_ref, tail_ref, infos, *, head_dim):
+  """K `[64 tokens, D]` of one step as a register A operand; warp w restores page slot w.
+
+  Args:
+    byte_ref: memref uint8 [2 (K, V), 4 slots, 4 * nb units, 256], this step's groups.
+    tail_ref: memref bf16 [2 (K, V), 16, D], this step's tail page (if a slot holds it).
+    infos: per slot (flags, k_word1, v_word1) i32 values (splat arrays).
+  Returns: a bf16 [64, D] WGMMA-layout FragmentedArray (register i = 8j + 4c + pair).
+  """
   nblocks = head_dim // 32
-  warp, lane, g, t, byte_ptr, k_ptr, slot_bytes, infos = _setup(byte_ref, k_ref, infos, head_dim)
-  # K: warp w restores page slot w. Select this warp's slot info.
-  flags = infos[0][0]
-  kw1 = infos[0][1]
+  n = 8 * nblocks
+  warp, lane, g, t, byte_ptr, tail_ptr, infos = _setup(byte_ref, tail_ref, infos)
+  flags, kw1 = infos[0][0], infos[0][1]
   for s in range(1, PAGES_PER_STEP):
-    is_s = arith.cmpi(arith.CmpIPredicate.eq, warp, _c(s))
+    is_s = _eq(warp, _c(s))
     flags = arith.select(is_s, infos[s][0], flags)
     kw1 = arith.select(is_s, infos[s][1], kw1)
-  is_page = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(flags, _c(FLAG_PAGE)), _c(0))
-  op = scf.IfOp(is_page)
-  with ir.InsertionPoint(op.then_block):
+  slot_bytes = 4 * nblocks * UNIT
+
+  def from_bytes():
     slot_ptr = _gep(byte_ptr, arith.muli(warp, _c(slot_bytes)))  # kind 0 (K), slot w
     starts = _block_starts(kw1, nblocks)
-    # Byte offset of (token 16w + g + 8h, dim 32j + 16c + 2t + 8e) in the swizzled tile:
-    # thread part w*2*tpr*1024 + g*128 + 4t, static part, and the swizzle term (chunk*16) ^ (g*16).
-    tpr = head_dim // TILE_COLS
-    base = _add(arith.muli(warp, _c(2 * tpr * TILE_BYTES)), arith.shli(g, _c(7)), arith.shli(t, _c(2)))
-    g16 = arith.shli(g, _c(4))
+    words = []
     for j in range(nblocks):
       block_ptr = _gep(slot_ptr, arith.muli(starts[j], _c(UNIT)))
-      hb = _slot_byte(kw1, j)
       for c in range(2):
-        pairs = _decode_fragment(block_ptr, lane, c, hb)
-        for i, (h, e) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
-          dim = 32 * j + 16 * c + 8 * e
-          static = (h * tpr + dim // TILE_COLS) * TILE_BYTES
-          chunk16 = ((dim % TILE_COLS) // 8) * 16
-          off = _add(base, _c(static), arith.xori(g16, _c(chunk16)))
-          _store32(k_ptr, off, pairs[i])
-    scf.yield_([])
+        words += _decode_fragment(block_ptr, arith.addi(lane, _c(32 * c)), _slot_byte(kw1, j))
+    return words
+
+  def from_tail():  # pair (h, e) of fragment (j, c): token g + 8h, dims 32j + 16c + 8e + 2t (+1)
+    base = arith.addi(arith.muli(g, _c(2 * head_dim)), arith.shli(t, _c(2)))
+    return [_load32(tail_ptr, arith.addi(base, _c(2 * (8 * h * head_dim + 32 * j + 16 * c + 8 * e))))
+            for j in range(nblocks) for c in range(2) for e in range(2) for h in range(2)]
+
+  words = _select_slot(flags, n, from_bytes(), from_tail)
+  return _fragments(words, (4 * PAGE, head_dim))
 
 
+def restore_vt(byte_ref, tail_ref, infos, *, head_dim):
+  """V^T `[D, 64 tokens]` of one step as a register A operand (see `restore_k` for the args).
 
-def restore_v(byte_ref, v_ref, infos, *, head_dim):
-  """V half of `restore_step` (slots past the sequence get zeros)."""
+  Warp w of M-group m holds dims 64m + 16w + (0..15): block j = 2m + w // 2, tile c = w % 2 of
+  every slot's V group. Register m * 16 + 4s + pair.
+  """
   nblocks = head_dim // 32
-  warp, lane, g, t, byte_ptr, v_ptr, slot_bytes, infos = _setup(byte_ref, v_ref, infos, head_dim)
-  # V: warp w restores dims 16w + 64m (+0..15) of every slot: block j = 2m + w // 2, tile c = w % 2.
-  # Byte offset of (token 16s + 2t + 8e + u, dim 64m + 16w + g + 8h): rows r = 2t + u, chunk
-  # 2w + h, so the swizzle term is 32 (w ^ t) + 16 (h ^ u); thread part 2g + 256t + 32 (w ^ t).
-  c_tile = arith.andi(warp, _c(1))
-  tpr = head_dim // TILE_COLS
-  v_base = _add(arith.shli(g, _c(1)), arith.shli(t, _c(8)), arith.shli(arith.xori(warp, t), _c(5)))
+  groups = head_dim // 64
+  warp, lane, g, t, byte_ptr, tail_ptr, infos = _setup(byte_ref, tail_ref, infos)
+  frag = arith.addi(lane, arith.shli(arith.andi(warp, _c(1)), _c(5)))  # 32c + lane
+  slot_bytes = 4 * nblocks * UNIT
+  per_slot = [None] * PAGES_PER_STEP
   for s in range(PAGES_PER_STEP):
     flags, _, vw1 = infos[s]
-    is_page = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(flags, _c(FLAG_PAGE)), _c(0))
-    absent = arith.cmpi(arith.CmpIPredicate.eq, flags, _c(0))
-    op = scf.IfOp(arith.ori(is_page, absent))
-    with ir.InsertionPoint(op.then_block):
+
+    def from_bytes(s=s, vw1=vw1):
       slot_ptr = _gep(byte_ptr, _c((PAGES_PER_STEP + s) * slot_bytes))  # kind 1 (V), slot s
       starts = _block_starts(vw1, nblocks)
-      for m in range(head_dim // 64):
+      words = []
+      for m in range(groups):
         j_dyn = arith.addi(_c(2 * m), arith.shrui(warp, _c(1)))
-        start = starts[0]
-        hb = _slot_byte(vw1, 0)
+        start, hb = starts[0], _slot_byte(vw1, 0)
         for j in range(1, nblocks):
-          is_j = arith.cmpi(arith.CmpIPredicate.eq, j_dyn, _c(j))
+          is_j = _eq(j_dyn, _c(j))
           start = arith.select(is_j, starts[j], start)
           hb = arith.select(is_j, _slot_byte(vw1, j), hb)
-        block_ptr = _gep(slot_ptr, arith.muli(start, _c(UNIT)))
-        pairs = _decode_fragment_dyn_c(block_ptr, lane, c_tile, hb)
-        pairs = [arith.select(absent, _c(0), p) for p in pairs]
-        for i, (h, e) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
-          for u in range(2):  # the pair's two tokens: 2t + 8e + u
-            static = ((2 * s + e) * tpr + m) * TILE_BYTES + 128 * u + 16 * (h ^ u)
-            value = pairs[i] if u == 0 else arith.shrui(pairs[i], _c(16))
-            _store16(v_ptr, arith.addi(v_base, _c(static)), value)
-      scf.yield_([])
+        words += _decode_fragment(_gep(slot_ptr, arith.muli(start, _c(UNIT))), frag, hb)
+      return words
+
+    def from_tail():  # pair (h, e): dim 64m + 16w + g + 8h, tokens 8e + 2t + (0, 1)
+      v_tail = _gep(tail_ptr, _c(PAGE * head_dim * 2))
+      base = arith.addi(arith.shli(arith.addi(arith.shli(warp, _c(4)), g), _c(1)),
+                        arith.muli(t, _c(4 * head_dim)))
+      words = []
+      for m in range(groups):
+        for e in range(2):
+          for h in range(2):
+            off = arith.addi(base, _c(2 * (64 * m + 8 * h) + 2 * 8 * e * head_dim))
+            lo = _load16(v_tail, off)
+            hi = _load16(v_tail, arith.addi(off, _c(2 * head_dim)))
+            words.append(arith.ori(lo, arith.shli(hi, _c(16))))
+      return words
+
+    per_slot[s] = (flags, from_bytes(), from_tail)
+  # Slot order in registers: m * 16 + 4s + pair. One branch for the step's (rare) tail slot.
+  flags = [f for f, _, _ in per_slot]
+  page = [[arith.select(_is(f, FLAG_PAGE), w, _c(0)) for w in words] for f, words, _ in per_slot]
+  any_tail = functools.reduce(arith.ori, [_is(f, FLAG_TAIL) for f in flags])
+
+  def with_tail():
+    return [arith.select(_is(f, FLAG_TAIL), tw, w) for (f, _, tail_fn), words in zip(per_slot, page)
+            for w, tw in zip(words, tail_fn())]
+
+  flat = _branch(any_tail, 16 * groups, with_tail, lambda: [w for words in page for w in words])
+  words = [flat[s * 4 * groups + 4 * m + i] for m in range(groups) for s in range(PAGES_PER_STEP) for i in range(4)]
+  return _fragments(words, (head_dim, 4 * PAGE))
+
+
+def store_pt(p, pt_ref):
+  """Store P^T: p bf16 [64 tokens, 8 heads] (WGMMA layout) -> pt_ref bf16 [8 heads, 64 tokens].
+
+  pt_ref is one (8, 64) tile with the 128-byte swizzle: element (head r, token x) sits at
+  byte 128 r + 16 ((x // 8) ^ r) + 2 (x % 8). Thread (w, g, t) holds tokens 16w + g + 8h and
+  heads 2t, 2t + 1 in register h.
+  """
+  warp, lane = _thread()
+  g, t = arith.shrui(lane, _c(2)), arith.andi(lane, _c(3))
+  ptr = mu.memref_ptr(pt_ref)
+  one = ir.VectorType.get((1,), _i32())
+  for h, reg in enumerate(p.registers.flat):
+    word = llvm.extractelement(vector.bitcast(one, reg), _c(0))
+    chunk = arith.addi(arith.shli(warp, _c(1)), _c(h))
+    for u in range(2):
+      head = arith.addi(arith.shli(t, _c(1)), _c(u))
+      off = _add(arith.shli(head, _c(7)), arith.shli(arith.xori(chunk, head), _c(4)), arith.shli(g, _c(1)))
+      _store16(ptr, off, word if u == 0 else arith.shrui(word, _c(16)))
 
 
 def zero_absent_v(v_ref, infos, *, head_dim):
@@ -245,8 +314,7 @@ def zero_absent_v(v_ref, infos, *, head_dim):
   v_ptr = mu.memref_ptr(v_ref)
   infos = [tuple(_scalar(x) for x in info) for info in infos]
   for s in range(PAGES_PER_STEP):
-    absent = arith.cmpi(arith.CmpIPredicate.eq, infos[s][0], _c(0))
-    op = scf.IfOp(absent)
+    op = scf.IfOp(_eq(infos[s][0], _c(0)))
     with ir.InsertionPoint(op.then_block):
       # 16 tokens x D dims = 16 * D / 2 words; 128 threads store 4-byte zeros.
       tid = arith.addi(arith.muli(warp, _c(32)), lane)

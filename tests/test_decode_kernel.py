@@ -52,7 +52,7 @@ def _bf16_sizes(text):
     "compressed,head_dim,group,splits",
     [(True, 128, 4, 1), (False, 128, 4, 2), (True, 64, 3, 2), (False, 64, 3, 1), (True, 128, 8, 3)],
 )
-@pytest.mark.parametrize("variant", [{}, {"pipeline_metadata": True}, {"split_restore": True}])
+@pytest.mark.parametrize("variant", [{}, {"stages": 4}, {"timing_probe": "compute"}])
 def test_lowers_to_one_mosaic_gpu_kernel_for_an_abstract_h200(compressed, head_dim, group, splits, variant):
   kv_heads = 3 if group == 3 else 2
   k, v = _kv(2, 100, kv_heads, head_dim)
@@ -78,17 +78,17 @@ def test_compressed_pages_are_never_materialised_as_bf16():
 
 
 INTERPRET_CASES = [
-    # batch, seq, kv_heads, group, head_dim, lengths, splits, pipeline_metadata
-    (2, 100, 2, 4, 64, [100, 37], 1, False),
-    (3, 90, 3, 3, 64, [0, 16, 90], 2, False),
-    (2, 80, 1, 8, 128, [80, 17], 1, False),
-    (3, 200, 2, 2, 64, [200, 1, 130], 2, True),
+    # batch, seq, kv_heads, group, head_dim, lengths, splits, stages
+    (2, 100, 2, 4, 64, [100, 37], 1, 2),
+    (3, 90, 3, 3, 64, [0, 16, 90], 2, 2),
+    (2, 80, 1, 8, 128, [80, 17], 1, 3),
+    (2, 2200, 1, 2, 64, [2200, 2100], 1, 2),  # past one 128-page metadata chunk
 ]
 
 
-@pytest.mark.parametrize("batch,seq,kv_heads,group,head_dim,lengths,splits,pipeline_metadata", INTERPRET_CASES)
+@pytest.mark.parametrize("batch,seq,kv_heads,group,head_dim,lengths,splits,stages", INTERPRET_CASES)
 def test_interpreted_kernel_matches_the_reference_and_both_stores_agree_bitwise(
-    batch, seq, kv_heads, group, head_dim, lengths, splits, pipeline_metadata):
+    batch, seq, kv_heads, group, head_dim, lengths, splits, stages):
   """The kernel body on CPU (Mosaic GPU interpret mode; jnp restore and P through SMEM)."""
   k, v = _kv(batch, seq, kv_heads, head_dim, seed=seq)
   k = k.at[:, ::29, :, 5].set(4e4)  # raw blocks next to compressed ones
@@ -97,7 +97,7 @@ def test_interpreted_kernel_matches_the_reference_and_both_stores_agree_bitwise(
   comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
   plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
   ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
-  cfg = da.DecodeConfig(splits=splits, pipeline_metadata=pipeline_metadata)
+  cfg = da.DecodeConfig(splits=splits, stages=stages)
   outs = []
   for cache in (comp, plain):
     out, lse = zf.paged_decode_attention(q, cache, impl="pallas", config=cfg, return_lse=True, interpret=True)
@@ -147,7 +147,7 @@ def test_split_combine_equals_attention_over_all_tokens():
   assert np.all(np.asarray(empty_o) == 0) and np.all(np.isneginf(np.asarray(empty_lse)))
 
 
-@pytest.mark.parametrize("batch,kv_heads,max_pages,splits", [(32, 8, 128, 1), (8, 8, 512, 4), (1, 8, 2048, 32), (128, 8, 64, 1), (2, 3, 8, 1)])
+@pytest.mark.parametrize("batch,kv_heads,max_pages,splits", [(32, 8, 128, 1), (8, 8, 512, 2), (1, 8, 2048, 16), (128, 8, 64, 1), (2, 3, 8, 1), (4, 8, 512, 4)])
 def test_heuristic_fills_the_gpu_without_tiny_splits(batch, kv_heads, max_pages, splits):
   cfg = da.heuristic_config(batch, kv_heads, max_pages)
   assert cfg.splits == splits

@@ -1,0 +1,71 @@
+"""Cooperative prefetch of a split's page-table entries and group metadata into SMEM.
+
+Mosaic GPU code for `plgpu.inline_mgpu`, run by the producer warpgroup of
+`decode_attention.py` once per `CHUNK_PAGES` pages. Read one scalar at a time,
+each step's copies waited on two dependent global loads (page table, then the
+page's metadata words), about 1 µs each under full HBM load; here the 128
+producer threads load one page each in parallel (a 16-byte vector load for the
+metadata), so a chunk costs one round trip instead of two per step.
+"""
+
+from __future__ import annotations
+
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm
+from jax.experimental.mosaic.gpu import utils as mu
+
+CHUNK_PAGES = 128  # one page per producer thread
+ENTRY_WORDS = 7  # physical page, then per K / V: arena unit offset, word1 (slot bytes), raw blocks
+RAW = 0xFF
+
+
+def _i32():
+  return ir.IntegerType.get_signless(32)
+
+
+def _c(v, ty=None):
+  return mu.c(v, ty or _i32())
+
+
+def _scalar(x):
+  (reg,) = x.registers.flat
+  return reg
+
+
+def gather_pages(page_table_ref, meta_ref, chunk_ref, row_start, row_end, kvh, *, num_pages, nblocks, compressed):
+  """chunk_ref[p] = (phys, K offset, K word1, K raw count, V offset, V word1, V raw count) of
+  page-table entries row_start + p (the producer's per-copy scalar work, done 128 pages at once).
+
+  Args:
+    page_table_ref: GMEM i32 [B * max_pages] (flat); meta_ref: GMEM u32 [Hkv * P * 4] (flat).
+    chunk_ref: SMEM i32 [CHUNK_PAGES, ENTRY_WORDS].
+    row_start, row_end: i32 splats, flat page-table indices; entries at or past `row_end`
+      repeat the last valid one (their slots lie past the sequence; any in-bounds page does).
+    kvh: i32 splat, the KV head. num_pages: P (physical ids are clamped to [0, P)).
+  """
+  i64 = ir.IntegerType.get_signless(64)
+  row_start, row_end, kvh = (_scalar(x) for x in (row_start, row_end, kvh))
+  tid = arith.remui(mu.thread_idx(), _c(128))
+  mu.warpgroup_barrier()  # every producer thread is done with the previous chunk
+  row = arith.minsi(arith.addi(row_start, tid), arith.subi(row_end, _c(1)))
+  pt = mu.memref_ptr(page_table_ref)
+  phys = llvm.load(_i32(), mu.getelementptr(pt, [arith.extui(i64, row)], _i32()))
+  phys = arith.maxsi(arith.minsi(phys, _c(num_pages - 1)), _c(0))
+  out = mu.memref_ptr(chunk_ref)
+  entry = arith.muli(tid, _c(ENTRY_WORDS))
+  llvm.store(phys, mu.getelementptr(out, [entry], _i32()))
+  if compressed:
+    meta = mu.memref_ptr(meta_ref)
+    word = arith.muli(arith.addi(arith.muli(arith.extui(i64, kvh), _c(num_pages, i64)), arith.extui(i64, phys)),
+                      _c(4, i64))
+    vec = llvm.load(ir.VectorType.get((4,), _i32()), mu.getelementptr(meta, [word], _i32()))
+    for kind in range(2):
+      word0, word1 = (llvm.extractelement(vec, _c(2 * kind + w)) for w in range(2))
+      n_raw = _c(0)
+      for j in range(nblocks):
+        byte = arith.andi(arith.shrui(word1, _c(8 * j)), _c(0xFF))
+        n_raw = arith.addi(n_raw, arith.extui(_i32(), arith.cmpi(arith.CmpIPredicate.eq, byte, _c(RAW))))
+      fields = (arith.andi(word0, _c(0x3FFFFFFF)), word1, n_raw)
+      for f, value in enumerate(fields):
+        llvm.store(value, mu.getelementptr(out, [arith.addi(entry, _c(1 + 3 * kind + f))], _i32()))
+  mu.warpgroup_barrier()  # the chunk is visible to every producer thread
