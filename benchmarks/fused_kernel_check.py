@@ -46,7 +46,9 @@ def case(key, batch, seq, kv_heads, group, head_dim, lengths, splits):
   ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
   outs = {}
   variants = (("compressed", comp, {}), ("compressed_stages4", comp, {"stages": 4}),
-              ("uncompressed", plain, {}), ("uncompressed_stages4", plain, {"stages": 4}))
+              ("compressed_warp_issue", comp, {"warp_issue": True}),
+              ("uncompressed", plain, {}), ("uncompressed_stages4", plain, {"stages": 4}),
+              ("uncompressed_warp_issue", plain, {"warp_issue": True}))
   for name, cache, knobs in variants:
     if name.split("_")[0] not in PATHS:
       continue
@@ -113,9 +115,11 @@ def timing(shapes, splits_list, lean=False):
     print(f"cudnn_dense            B={batch} S={context} {t:8.1f} us", flush=True)
     heur = heuristic_config(batch, model.kv_heads, plain.max_pages)
     variants = [(s, {}) for s in sorted(set(([] if lean else splits_list) + [heur.splits]))]
-    variants += [(heur.splits, {"stages": 4})]
+    variants += [(heur.splits, {"stages": 4}), (heur.splits, {"warp_issue": True})]
+    variants += [(heur.splits, {"consumer_registers": 168}), (heur.splits, {"consumer_registers": 168, "warp_issue": True})]
     # Where the time goes: the producer's copies alone, the consumer's work alone.
-    variants += [(heur.splits, {"timing_probe": "copies"})] + ([] if lean else [(heur.splits, {"timing_probe": "compute"})])
+    variants += [(heur.splits, {"timing_probe": "copies"}), (heur.splits, {"timing_probe": "copies", "warp_issue": True})]
+    variants += [] if lean else [(heur.splits, {"timing_probe": "compute"})]
     for splits, knobs in variants:
       for name, cache, nbytes in (("zipfusion_compressed", comp, comp_bytes), ("zipfusion_uncompressed", plain, bf16_bytes)):
         cfg = DecodeConfig(splits=splits, **knobs)

@@ -60,6 +60,13 @@ class DecodeConfig:
     splits: CTAs per (sequence, KV head), each over a contiguous page range
       (split-K); partials are combined with their log-sum-exp.
     stages: depth of the producer -> consumer ring (TMA runs that many steps ahead).
+    warp_issue: each of the producer's 4 warps issues one page slot's copies (TMA from
+      warp-level code, `plgpu.warp_map`) instead of one thread issuing all 8 in turn; the
+      compressed path's per-slot work is 6 predicated branches. Off until measured.
+    consumer_registers: `setmaxnreg` of the consumer warpgroup (the producer keeps 40). Two
+      CTAs per SM (the compressed path needs ~93 KB of SMEM at D = 128, 2 stages) need
+      (consumer + 40) * 128 * 2 <= 65536, i.e. <= 216; the consumer holds K and V^T (64
+      registers), the accumulators (16) and the decode temporaries. Unmeasured below 232.
     timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
       waits for and releases each stage (the producer's copy rate), "compute" = the producer
       issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
@@ -68,12 +75,16 @@ class DecodeConfig:
   splits: int = 1
   stages: int = 2
   timing_probe: str = ""
+  warp_issue: bool = False
+  consumer_registers: int = 232
 
   def __post_init__(self):
     if self.splits < 1:
       raise ValueError(f"{self.splits=} must be >= 1")
     if not 1 <= self.stages <= 4:
       raise ValueError(f"{self.stages=} must be in [1, 4]")
+    if self.consumer_registers % 8 or not 64 <= self.consumer_registers <= 256:
+      raise ValueError(f"{self.consumer_registers=} must be a multiple of 8 in [64, 256]")
     if self.timing_probe not in ("", "copies", "compute"):
       raise ValueError(f"{self.timing_probe=} must be '', 'copies' or 'compute'")
 
@@ -99,7 +110,7 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int) -> DecodeConfig:
 
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
             compressed, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages,
-            timing_probe, interpret):
+            timing_probe, warp_issue, consumer_registers, interpret):
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
@@ -131,7 +142,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
 
   @pl.when(wg == 0)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(consumer_registers, action="increase")
     plgpu.copy_gmem_to_smem(q_ref.at[pl.ds((b * kv_heads + kvh) * row_stride, QROWS)], q_smem, q_bar)
     plgpu.barrier_wait(q_bar)
     q_t = q_smem.transpose((1, 0))  # B operand [D, 8]
@@ -245,15 +256,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
           lambda ctx, *args: P.gather_pages(*args, num_pages=num_pages, nblocks=nb, compressed=compressed))(
               page_table_ref, store_b, chunk_smem, row_start, row_end, kvh)
 
-    def entries(i):  # (physical pages, per slot ((offset, word1, raw count) of K, of V)) of step i
-      local = lax.rem(i, CHUNK_STEPS) * STEP_PAGES
-      phys = tuple(chunk_smem[local + s, 0] for s in range(STEP_PAGES))
-      if not compressed:
-        return phys, ()
-      return phys, tuple(tuple(tuple(chunk_smem[local + s, 1 + 3 * kind + f] for f in range(3)) for kind in range(2))
-                         for s in range(STEP_PAGES))
-
-    def issue(i, phys, meta):
+    def issue(i):
       stage = lax.rem(i, stages)
 
       @pl.when(i >= stages)
@@ -261,38 +264,53 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
         plgpu.barrier_wait(consumed_bars.at[stage])
 
       bar = load_bars.at[stage]
-      for s in range(STEP_PAGES):
+      local = lax.rem(i, CHUNK_STEPS) * STEP_PAGES  # step i's first entry in the chunk
+
+      def slot_flags(s):  # s: a static slot or a (traced) warp index
         page = first_page + i * STEP_PAGES + s
         in_split = page < end_page
-        is_page = in_split & (page < full_pages)
-        is_tail = in_split & (page == full_pages)
+        return in_split & (page < full_pages), in_split & (page == full_pages)
+
+      def copies(s, kind):  # [(predicate, src, dst)] of slot s's K or V: at most one holds
+        is_page, is_tail = slot_flags(s)
         rows = pl.ds(s * PAGE_SIZE, PAGE_SIZE)
-        words = []
-        for kind, (tail_ref, tile) in enumerate(((k_tail_ref, k_smem), (v_tail_ref, v_smem))):
-          tail_dst = tile.at[stage, rows] if tails_in_tiles else tail_smem.at[stage, kind]
-          copies = [(is_tail, tail_ref.at[b, kvh], tail_dst)]
-          if compressed:  # the group's 3*nb-unit prefix and its n_raw raw units: one copy
-            offset, word1, n_raw = meta[s][kind]
-            dst = byte_smem.at[stage, kind, s]
-            copies += [(is_page & (n_raw == r), store_a.at[pl.ds(offset, 3 * nb + r)], dst.at[pl.ds(0, 3 * nb + r)])
-                       for r in range(nb + 1)]
-            words.append(word1)
-          else:
-            copies.append((is_page, (store_a, store_b)[kind].at[kvh, phys[s]], tile.at[stage, rows]))
-            words.append(jnp.int32(0))
-          _one_copy_or_arrive([] if timing_probe == "compute" else copies, bar)
+        tail_ref, tile = ((k_tail_ref, k_smem), (v_tail_ref, v_smem))[kind]
+        tail_dst = tile.at[stage, rows] if tails_in_tiles else tail_smem.at[stage, kind]
+        out = [(is_tail, tail_ref.at[b, kvh], tail_dst)]
+        if compressed:  # the group's 3*nb-unit prefix and its n_raw raw units: one copy
+          offset, n_raw = chunk_smem[local + s, 1 + 3 * kind], chunk_smem[local + s, 3 + 3 * kind]
+          dst = byte_smem.at[stage, kind, s]
+          out += [(is_page & (n_raw == r), store_a.at[pl.ds(offset, 3 * nb + r)], dst.at[pl.ds(0, 3 * nb + r)])
+                  for r in range(nb + 1)]
+        else:
+          out.append((is_page, (store_a, store_b)[kind].at[kvh, chunk_smem[local + s, 0]], tile.at[stage, rows]))
+        return [] if timing_probe == "compute" else out
+
+      for s in range(STEP_PAGES):  # the consumer's per-slot record: flags, K word1, V word1
+        is_page, is_tail = slot_flags(s)
         info_smem[stage, s, 0] = jnp.where(is_page, R.FLAG_PAGE, jnp.where(is_tail, R.FLAG_TAIL, 0)).astype(jnp.int32)
-        info_smem[stage, s, 1] = words[0]
-        info_smem[stage, s, 2] = words[1]
+        for kind in range(2):
+          info_smem[stage, s, 1 + kind] = chunk_smem[local + s, 2 + 3 * kind] if compressed else jnp.int32(0)
       plgpu.commit_smem()  # every producer thread's info stores land before the arrival below
       plgpu.barrier_arrive(bar)
+
+      if warp_issue:  # warp w issues slot w's two copies: 4 warps walk their branches in parallel
+        def per_warp(w):
+          for kind in range(2):
+            _one_copy_or_arrive(copies(w, kind), bar)
+
+        plgpu.warp_map(per_warp)
+      else:
+        for s in range(STEP_PAGES):
+          for kind in range(2):
+            _one_copy_or_arrive(copies(s, kind), bar)
 
     def issue_step(i, _):
       @pl.when(lax.rem(i, CHUNK_STEPS) == 0)
       def _():
         prefetch(i)
 
-      issue(i, *entries(i))
+      issue(i)
       return ()
 
     lax.fori_loop(0, n_steps, issue_step, ())
@@ -438,7 +456,8 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   body = functools.partial(
       _kernel, compressed=cache.compressed, head_dim=head_dim, kv_heads=kv_heads, row_stride=row_stride,
       pages_per_split=pages_per_split, max_pages=max_pages, scale=scale, stages=stages,
-      timing_probe=config.timing_probe, interpret=interpret)
+      timing_probe=config.timing_probe, warp_issue=config.warp_issue,
+      consumer_registers=config.consumer_registers, interpret=interpret)
 
   def entry(*refs):
     pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")

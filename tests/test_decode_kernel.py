@@ -52,7 +52,8 @@ def _bf16_sizes(text):
     "compressed,head_dim,group,splits",
     [(True, 128, 4, 1), (False, 128, 4, 2), (True, 64, 3, 2), (False, 64, 3, 1), (True, 128, 8, 3)],
 )
-@pytest.mark.parametrize("variant", [{}, {"stages": 4}, {"timing_probe": "compute"}])
+@pytest.mark.parametrize(
+    "variant", [{}, {"stages": 4}, {"timing_probe": "compute"}, {"warp_issue": True}, {"consumer_registers": 168}])
 def test_lowers_to_one_mosaic_gpu_kernel_for_an_abstract_h200(compressed, head_dim, group, splits, variant):
   kv_heads = 3 if group == 3 else 2
   k, v = _kv(2, 100, kv_heads, head_dim)
@@ -78,17 +79,17 @@ def test_compressed_pages_are_never_materialised_as_bf16():
 
 
 INTERPRET_CASES = [
-    # batch, seq, kv_heads, group, head_dim, lengths, splits, stages
-    (2, 100, 2, 4, 64, [100, 37], 1, 2),
-    (3, 90, 3, 3, 64, [0, 16, 90], 2, 2),
-    (2, 80, 1, 8, 128, [80, 17], 1, 3),
-    (2, 2200, 1, 2, 64, [2200, 2100], 1, 2),  # past one 128-page metadata chunk
+    # batch, seq, kv_heads, group, head_dim, lengths, splits, stages, warp_issue
+    (2, 100, 2, 4, 64, [100, 37], 1, 2, False),
+    (3, 90, 3, 3, 64, [0, 16, 90], 2, 2, True),
+    (2, 80, 1, 8, 128, [80, 17], 1, 3, False),
+    (2, 2200, 1, 2, 64, [2200, 2100], 1, 2, True),  # past one 128-page metadata chunk
 ]
 
 
-@pytest.mark.parametrize("batch,seq,kv_heads,group,head_dim,lengths,splits,stages", INTERPRET_CASES)
+@pytest.mark.parametrize("batch,seq,kv_heads,group,head_dim,lengths,splits,stages,warp_issue", INTERPRET_CASES)
 def test_interpreted_kernel_matches_the_reference_and_both_stores_agree_bitwise(
-    batch, seq, kv_heads, group, head_dim, lengths, splits, stages):
+    batch, seq, kv_heads, group, head_dim, lengths, splits, stages, warp_issue):
   """The kernel body on CPU (Mosaic GPU interpret mode; jnp restore and P through SMEM)."""
   k, v = _kv(batch, seq, kv_heads, head_dim, seed=seq)
   k = k.at[:, ::29, :, 5].set(4e4)  # raw blocks next to compressed ones
@@ -97,7 +98,7 @@ def test_interpreted_kernel_matches_the_reference_and_both_stores_agree_bitwise(
   comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
   plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
   ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
-  cfg = da.DecodeConfig(splits=splits, stages=stages)
+  cfg = da.DecodeConfig(splits=splits, stages=stages, warp_issue=warp_issue)
   outs = []
   for cache in (comp, plain):
     out, lse = zf.paged_decode_attention(q, cache, impl="pallas", config=cfg, return_lse=True, interpret=True)
@@ -160,6 +161,10 @@ def test_config_validates():
     da.DecodeConfig(splits=0)
   with pytest.raises(ValueError, match="stages"):
     da.DecodeConfig(stages=9)
+  with pytest.raises(ValueError, match="consumer_registers"):
+    da.DecodeConfig(consumer_registers=100)
+  with pytest.raises(ValueError, match="timing_probe"):
+    da.DecodeConfig(timing_probe="fast")
 
 
 def test_reference_scale_default_matches_kernel_contract():
