@@ -29,6 +29,13 @@ def test_e2e_decomposition_setting_is_not_budget_limited():
   assert (row["batch"], row["context"], row["kv_budget_gib"], row["is_max_batch"]) == (3, 40, None, False)
 
 
+def test_e2e_at_real_kv_eligibility_reports_it():
+  row = e2e.main(["--models", "tiny-llama3", "--contexts", "", "--systems", "zipfusion", "--steps", "1", "--warmup", "0",
+                  "--decomposition", "--decomposition-shape", "2x64", "--kv-stats", "real"])["rows"][0]
+  assert row["kv_statistics"] == "real" and set(row["planted_prompt_eligible"]) == {"k", "v"}
+  assert 0 < row["eligible_fraction"] < 0.95
+
+
 def test_step_profile_runs_on_cpu_and_groups_kernel_names():
   from benchmarks import step_profile
 
