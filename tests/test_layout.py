@@ -48,6 +48,16 @@ def test_pages_round_trip(kind):
   np.testing.assert_array_equal(np.asarray(layout.blocks_to_pages(blocks, kind)).view(np.uint16), x.view(np.uint16))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_transposes_equal_the_permutation_table(kind, head_dim):
+  """pages <-> blocks run as reshape + transpose; they must match the spec's table exactly."""
+  x = np.arange(3 * 2 * 16 * head_dim, dtype=np.int32).reshape(3, 2, 16, head_dim)
+  want = np.take(x.reshape(3, 2, -1), layout.page_permutation(kind, head_dim), axis=-1)
+  np.testing.assert_array_equal(np.asarray(layout.pages_to_blocks(x, kind)), want)
+  np.testing.assert_array_equal(np.asarray(layout.blocks_to_pages(want, kind)), x)
+
+
 def test_bad_layout_inputs():
   with pytest.raises(ValueError, match="head_dim"):
     layout.blocks_per_page(96)
@@ -55,3 +65,7 @@ def test_bad_layout_inputs():
     layout.page_permutation("q", 64)
   with pytest.raises(ValueError, match="16 tokens"):
     layout.pages_to_blocks(np.zeros((2, 8, 64), ml_dtypes.bfloat16), "k")
+  with pytest.raises(ValueError, match="kind"):
+    layout.pages_to_blocks(np.zeros((2, 16, 64), ml_dtypes.bfloat16), "q")
+  with pytest.raises(ValueError, match="head_dim"):
+    layout.blocks_to_pages(np.zeros((2, 3, 512), ml_dtypes.bfloat16), "v")

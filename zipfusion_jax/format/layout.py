@@ -89,18 +89,45 @@ def split_pages(x: jnp.ndarray) -> jnp.ndarray:
   return x[..., : pages * PAGE_SIZE, :].reshape(*lead, pages, PAGE_SIZE, head_dim)
 
 
+# The position order is a permutation of index bits, so pages <-> blocks is a reshape and a
+# transpose (no gather). A block's position bits, high to low, are
+#   c | row % 8 (3) | (col % 8) // 2 (2) | col // 8 | row // 8 | col % 2
+# = axes (c, r_lo, c_mid, c_hi, r_hi, c_lo) of sizes (2, 8, 4, 2, 2, 2); block j adds axis j.
+_BLOCK_AXES = (2, 8, 4, 2, 2, 2)  # c, r_lo, c_mid, c_hi, r_hi, c_lo
+# Page axes in row-major (token, dim) order, as indices into (j, c, r_lo, c_mid, c_hi, r_hi, c_lo):
+#   K: token = (r_hi, r_lo), dim = (j, c, c_hi, c_mid, c_lo)
+#   V: token = (c_hi, c_mid, c_lo), dim = (j, c, r_hi, r_lo)
+_PAGE_ORDER = {"k": (5, 2, 0, 1, 4, 3, 6), "v": (4, 3, 6, 0, 1, 5, 2)}
+
+
+def _check_kind(kind: Kind) -> None:
+  if kind not in ("k", "v"):
+    raise ValueError(f"{kind=} must be 'k' or 'v'")
+
+
 def pages_to_blocks(pages: jnp.ndarray, kind: Kind) -> jnp.ndarray:
   """[..., 16, head_dim] -> [..., head_dim // 32, 512] in block position order."""
+  _check_kind(kind)
   head_dim = pages.shape[-1]
   if pages.shape[-2] != PAGE_SIZE:
     raise ValueError(f"pages must have {PAGE_SIZE} tokens on axis -2, got shape {pages.shape}")
-  flat = pages.reshape(*pages.shape[:-2], PAGE_SIZE * head_dim)
-  return jnp.take(flat, jnp.asarray(page_permutation(kind, head_dim)), axis=-1)
+  nblocks = blocks_per_page(head_dim)
+  lead = pages.shape[:-2]
+  order = _PAGE_ORDER[kind]
+  block_shape = (nblocks, *_BLOCK_AXES)
+  x = pages.reshape(*lead, *(block_shape[a] for a in order))
+  inverse = tuple(order.index(a) for a in range(len(order)))
+  x = jnp.transpose(x, (*range(len(lead)), *(len(lead) + a for a in inverse)))
+  return x.reshape(*lead, nblocks, VALUES_PER_BLOCK)
 
 
 def blocks_to_pages(blocks: jnp.ndarray, kind: Kind) -> jnp.ndarray:
   """[..., head_dim // 32, 512] -> [..., 16, head_dim]; inverse of `pages_to_blocks`."""
-  head_dim = blocks.shape[-2] * DIMS_PER_BLOCK
-  flat = blocks.reshape(*blocks.shape[:-2], PAGE_SIZE * head_dim)
-  inv = jnp.asarray(inverse_page_permutation(kind, head_dim))
-  return jnp.take(flat, inv, axis=-1).reshape(*blocks.shape[:-2], PAGE_SIZE, head_dim)
+  _check_kind(kind)
+  nblocks = blocks.shape[-2]
+  head_dim = nblocks * DIMS_PER_BLOCK
+  check_head_dim(head_dim)
+  lead = blocks.shape[:-2]
+  x = blocks.reshape(*lead, nblocks, *_BLOCK_AXES)
+  x = jnp.transpose(x, (*range(len(lead)), *(len(lead) + a for a in _PAGE_ORDER[kind])))
+  return x.reshape(*lead, PAGE_SIZE, head_dim)
