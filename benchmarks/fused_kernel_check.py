@@ -116,7 +116,8 @@ def timing(shapes, splits_list, lean=False):
     heur = heuristic_config(batch, model.kv_heads, plain.max_pages)
     variants = [(s, {}) for s in sorted(set(([] if lean else splits_list) + [heur.splits]))]
     variants += [(heur.splits, {"stages": 4}), (heur.splits, {"warp_issue": True})]
-    variants += [(heur.splits, {"consumer_registers": 168}), (heur.splits, {"consumer_registers": 168, "warp_issue": True})]
+    variants += [(heur.splits, {"consumer_registers": r}) for r in (168, 0)]
+    variants += [(heur.splits, {"consumer_registers": 168, "warp_issue": True})]
     # Where the time goes: the producer's copies alone, the consumer's work alone.
     variants += [(heur.splits, {"timing_probe": "copies"}), (heur.splits, {"timing_probe": "copies", "warp_issue": True})]
     variants += [] if lean else [(heur.splits, {"timing_probe": "compute"})]

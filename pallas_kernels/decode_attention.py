@@ -66,7 +66,8 @@ class DecodeConfig:
     consumer_registers: `setmaxnreg` of the consumer warpgroup (the producer keeps 40). Two
       CTAs per SM (the compressed path needs ~93 KB of SMEM at D = 128, 2 stages) need
       (consumer + 40) * 128 * 2 <= 65536, i.e. <= 216; the consumer holds K and V^T (64
-      registers), the accumulators (16) and the decode temporaries. Unmeasured below 232.
+      registers), the accumulators (16) and the decode temporaries. 0: no `setmaxnreg` at all
+      (ptxas sizes one register count for both warpgroups). Unmeasured except 232.
     timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
       waits for and releases each stage (the producer's copy rate), "compute" = the producer
       issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
@@ -83,8 +84,8 @@ class DecodeConfig:
       raise ValueError(f"{self.splits=} must be >= 1")
     if not 1 <= self.stages <= 4:
       raise ValueError(f"{self.stages=} must be in [1, 4]")
-    if self.consumer_registers % 8 or not 64 <= self.consumer_registers <= 256:
-      raise ValueError(f"{self.consumer_registers=} must be a multiple of 8 in [64, 256]")
+    if self.consumer_registers and (self.consumer_registers % 8 or not 64 <= self.consumer_registers <= 256):
+      raise ValueError(f"{self.consumer_registers=} must be 0 or a multiple of 8 in [64, 256]")
     if self.timing_probe not in ("", "copies", "compute"):
       raise ValueError(f"{self.timing_probe=} must be '', 'copies' or 'compute'")
 
@@ -142,7 +143,8 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
 
   @pl.when(wg == 0)
   def _consumer():
-    plgpu.set_max_registers(consumer_registers, action="increase")
+    if consumer_registers:
+      plgpu.set_max_registers(consumer_registers, action="increase")
     plgpu.copy_gmem_to_smem(q_ref.at[pl.ds((b * kv_heads + kvh) * row_stride, QROWS)], q_smem, q_bar)
     plgpu.barrier_wait(q_bar)
     q_t = q_smem.transpose((1, 0))  # B operand [D, 8]
@@ -228,7 +230,8 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
 
   @pl.when(wg == 1)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    if consumer_registers:
+      plgpu.set_max_registers(40, action="decrease")
 
     num_pages = store_b.shape[1]
     row_end = (b + 1) * max_pages  # flat page-table rows of this sequence end here

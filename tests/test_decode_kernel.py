@@ -53,7 +53,8 @@ def _bf16_sizes(text):
     [(True, 128, 4, 1), (False, 128, 4, 2), (True, 64, 3, 2), (False, 64, 3, 1), (True, 128, 8, 3)],
 )
 @pytest.mark.parametrize(
-    "variant", [{}, {"stages": 4}, {"timing_probe": "compute"}, {"warp_issue": True}, {"consumer_registers": 168}])
+    "variant", [{}, {"stages": 4}, {"timing_probe": "compute"}, {"warp_issue": True}, {"consumer_registers": 168},
+                {"consumer_registers": 0}])
 def test_lowers_to_one_mosaic_gpu_kernel_for_an_abstract_h200(compressed, head_dim, group, splits, variant):
   kv_heads = 3 if group == 3 else 2
   k, v = _kv(2, 100, kv_heads, head_dim)
