@@ -38,9 +38,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _platform
+from pallas_kernels import decode_interpret as I
 from pallas_kernels import page_prefetch_mgpu as P
 from pallas_kernels import restore_mgpu as R
-from zipfusion_jax.format import block as FB
 from zipfusion_jax.paged.cache import PAGE_SIZE, PagedKVCache
 
 STEP_PAGES = R.PAGES_PER_STEP
@@ -174,7 +174,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
         plgpu.barrier_arrive(consumed_bars.at[stage])  # the bytes are in registers: refill now
       else:
         if interpret:  # inline PTX is not interpretable: the jnp restore of the same bytes
-          _restore_interpret(byte_smem, k_smem, v_smem, stage, infos, head_dim, compressed)
+          I.restore_tiles(byte_smem, k_smem, v_smem, stage, infos, head_dim, compressed)
         else:
           _inline(R.zero_absent_v, (_TILE,), (v_smem.at[stage],), infos, head_dim)
         plgpu.commit_smem()
@@ -239,20 +239,8 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
     def prefetch(i):  # page-table entries and metadata of steps i .. i + CHUNK_STEPS - 1
       row_start = b * max_pages + first_page + i * STEP_PAGES
       if interpret:  # inline PTX is not interpretable: the same gather, one entry at a time
-        def entry(p, _):
-          row = jnp.minimum(row_start + p, row_end - 1)
-          phys = jnp.clip(page_table_ref[row // max_pages, row % max_pages], 0, num_pages - 1)
-          chunk_smem[p, 0] = phys
-          if compressed:
-            for kind in range(2):
-              word0, word1 = store_b[kvh, phys, kind, 0], store_b[kvh, phys, kind, 1]
-              n_raw = sum(((word1 >> (8 * j)) & 0xFF == R.RAW).astype(jnp.int32) for j in range(nb))
-              fields = ((word0 & 0x3FFFFFFF).astype(jnp.int32), lax.bitcast_convert_type(word1, jnp.int32), n_raw)
-              for f, value in enumerate(fields):
-                chunk_smem[p, 1 + 3 * kind + f] = value
-          return ()
-
-        lax.fori_loop(0, P.CHUNK_PAGES, entry, ())
+        I.gather_pages(page_table_ref, store_b, chunk_smem, row_start, row_end, kvh, max_pages=max_pages,
+                       num_pages=num_pages, nblocks=nb, compressed=compressed)
         return
       splat = plgpu.Layout.WG_SPLAT(shape=())
       plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), splat, splat, splat))(
@@ -323,52 +311,6 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       return ()
 
     lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, ())
-
-
-def _restore_interpret(byte_smem, k_smem, v_smem, stage, infos, head_dim, compressed):
-  """Interpret-mode stand-in for `restore_mgpu`: the jnp codec on the same byte stage.
-
-  Decodes each page slot's groups (block starts from the slot bytes, as the inline
-  restore finds them) and stores the pages into the BF16 tiles; zeroes V of absent slots.
-  """
-  nb = head_dim // 32
-  for s in range(STEP_PAGES):
-    flags = infos[s][0]
-
-    @pl.when(flags == 0)
-    def _():
-      v_smem[stage, pl.ds(s * PAGE_SIZE, PAGE_SIZE), :] = jnp.zeros((PAGE_SIZE, head_dim), jnp.bfloat16)
-
-    if not compressed:
-      continue
-    for kind, tile in enumerate((k_smem, v_smem)):
-      word1 = infos[s][1 + kind]
-
-      @pl.when(flags == R.FLAG_PAGE)
-      def _():
-        flat = byte_smem[stage, kind, s].reshape(-1)
-        slot_bytes = [(word1 >> (8 * j)) & 0xFF for j in range(nb)]
-        rows, start = [], jnp.int32(0)
-        for byte in slot_bytes:
-          rows.append(lax.dynamic_slice(flat, (start * R.UNIT,), (4 * R.UNIT,)))
-          start = start + jnp.where(byte == R.RAW, 4, 3)
-        bits = FB.decode_rows(jnp.stack(rows), jnp.stack(slot_bytes))  # [nb, 512] in position order
-        tile[stage, pl.ds(s * PAGE_SIZE, PAGE_SIZE), :] = FB.from_bits(_page_from_blocks(bits, kind, head_dim))
-
-
-def _page_from_blocks(bits, kind, head_dim):
-  """uint16 [nb, 512] -> [16, D]: FORMAT.md §3's tile positions, computed from iotas.
-
-  (`layout.blocks_to_pages` gathers with a numpy permutation, and a kernel body may not
-  close over array constants.)
-  """
-  token = lax.broadcasted_iota(jnp.int32, (PAGE_SIZE, head_dim), 0)
-  dim = lax.broadcasted_iota(jnp.int32, (PAGE_SIZE, head_dim), 1)
-  j, c, sub = dim // 32, (dim % 32) // 16, dim % 16
-  row, col = (token, sub) if kind == 0 else (sub, token)  # K: rows are tokens; V: rows are dims
-  lane = (row % 8) * 4 + (col % 8) // 2
-  position = c * 256 + lane * 8 + (col // 8) * 4 + (row // 8) * 2 + col % 2
-  return bits[j, position]
 
 
 def _inline(fn, ref_types, refs, infos, head_dim, out_shape=None):
@@ -507,7 +449,7 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
     scale: softmax scale. config: None picks `heuristic_config`.
     interpret: None = interpret off-GPU. Interpret mode runs this kernel body on the
       CPU with static substitutions for what inline PTX does on the GPU: the jnp codec
-      restores the same byte stage into BF16 SMEM tiles (`_restore_interpret`; a register
+      restores the same byte stage into BF16 SMEM tiles (`decode_interpret`; a register
       wgmma operand is not interpretable), so K and V^T are read as on the uncompressed
       path; P^T is stored with a jnp transpose; the metadata gather runs one entry at a
       time. It runs un-jitted.

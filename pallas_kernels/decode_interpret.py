@@ -1,0 +1,73 @@
+"""Interpret-mode stand-ins for the decode kernel's inline Mosaic GPU code (CPU tests).
+
+Inline PTX cannot be interpreted, so off-GPU `decode_attention.py` swaps in these jnp
+versions of the same work on the same SMEM buffers:
+
+* `restore_tiles` for `restore_mgpu.restore_k` / `restore_vt`: the jnp codec decodes the
+  byte stage into the BF16 tiles (the consumer then reads K and V^T from SMEM, as on the
+  uncompressed path);
+* `gather_pages` for `page_prefetch_mgpu.gather_pages`: the same chunk, one entry at a time.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import page_prefetch_mgpu as P
+from pallas_kernels import restore_mgpu as R
+from zipfusion_jax.format import block as FB
+from zipfusion_jax.format import layout as FL
+
+PAGE = R.PAGE
+
+
+def restore_tiles(byte_smem, k_smem, v_smem, stage, infos, head_dim, compressed):
+  """Decode each page slot's groups into the tiles of `stage`; zero V of absent slots.
+
+  Block starts come from the slot bytes of word1, as the inline restore finds them.
+  """
+  nb = head_dim // 32
+  for s in range(R.PAGES_PER_STEP):
+    flags = infos[s][0]
+    rows_of_slot = pl.ds(s * PAGE, PAGE)
+
+    @pl.when(flags == 0)
+    def _():
+      v_smem[stage, rows_of_slot, :] = jnp.zeros((PAGE, head_dim), jnp.bfloat16)
+
+    if not compressed:
+      continue
+    for kind, tile in enumerate((k_smem, v_smem)):
+      word1 = infos[s][1 + kind]
+
+      @pl.when(flags == R.FLAG_PAGE)
+      def _():
+        flat = byte_smem[stage, kind, s].reshape(-1)
+        slot_bytes = [(word1 >> (8 * j)) & 0xFF for j in range(nb)]
+        rows, start = [], jnp.int32(0)
+        for byte in slot_bytes:
+          rows.append(lax.dynamic_slice(flat, (start * R.UNIT,), (4 * R.UNIT,)))
+          start = start + jnp.where(byte == R.RAW, 4, 3)
+        bits = FB.decode_rows(jnp.stack(rows), jnp.stack(slot_bytes))  # [nb, 512] in position order
+        tile[stage, rows_of_slot, :] = FB.from_bits(FL.blocks_to_pages(bits, "kv"[kind]))
+
+
+def gather_pages(page_table_ref, meta_ref, chunk_ref, row_start, row_end, kvh, *, max_pages, num_pages, nblocks,
+                 compressed):
+  """`page_prefetch_mgpu.gather_pages` with scalar loads and stores (same chunk contents)."""
+  def entry(p, _):
+    row = jnp.minimum(row_start + p, row_end - 1)
+    phys = jnp.clip(page_table_ref[row // max_pages, row % max_pages], 0, num_pages - 1)
+    chunk_ref[p, 0] = phys
+    if compressed:
+      for kind in range(2):
+        word0, word1 = meta_ref[kvh, phys, kind, 0], meta_ref[kvh, phys, kind, 1]
+        n_raw = sum(((word1 >> (8 * j)) & 0xFF == R.RAW).astype(jnp.int32) for j in range(nblocks))
+        fields = ((word0 & 0x3FFFFFFF).astype(jnp.int32), lax.bitcast_convert_type(word1, jnp.int32), n_raw)
+        for f, value in enumerate(fields):
+          chunk_ref[p, 1 + 3 * kind + f] = value
+    return ()
+
+  lax.fori_loop(0, P.CHUNK_PAGES, entry, ())
