@@ -18,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.capacity import SMOLLM2_ELIGIBLE
 from models.configs import ModelConfig
 from models.params import DecoderParams
 from zipfusion_jax.kvstats import prompt_kv
 from zipfusion_jax.telemetry import eligibility_report
 
-REAL_KV_ELIGIBLE = {"k": 0.877, "v": 0.928}  # SmolLM2-135M, fp32 RoPE (benchmarks/capacity.py)
+REAL_KV_ELIGIBLE = SMOLLM2_ELIGIBLE  # the embedded model's real KV, fp32 RoPE
 OUTLIER_SCALE = 64.0  # x2^6: lifts the block's top exponent past the 16-wide window
 
 

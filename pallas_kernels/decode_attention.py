@@ -46,6 +46,7 @@ from zipfusion_jax.paged.cache import PAGE_SIZE, PagedKVCache
 STEP_PAGES = R.PAGES_PER_STEP
 STEP_TOKENS = STEP_PAGES * PAGE_SIZE  # 64: one wgmma N for S, K for P V
 CHUNK_STEPS = P.CHUNK_PAGES // STEP_PAGES  # steps per metadata prefetch
+LOAD_ARRIVALS = 2 * STEP_PAGES + 1  # one per (slot, K/V): a copy or a plain arrival; + the info record
 QROWS = 8  # query rows copied per CTA (>= heads per KV head)
 LSE_ROWS = 16  # rows of the (row-broadcast) log-sum-exp tile copied out: 512 B, a legal TMA
 LOG2E = 1.4426950408889634
@@ -353,12 +354,8 @@ def _one_copy_or_arrive(copies, barrier):
 
 
 _TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-_BYTES = plgpu.RefType()  # the byte stage (no transforms)
+_BYTES = plgpu.RefType()  # a plain SMEM ref (byte stage, tail buffer)
 _TILE = plgpu.RefType(transforms=_TRANSFORMS)  # a [64, D] BF16 tile
-
-
-def _arrivals() -> int:
-  return 2 * STEP_PAGES + 1  # one per (slot, K/V) + the producer's info arrival
 
 
 def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig, return_lse: bool,
@@ -388,7 +385,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       ),
       (
           plgpu.Barrier(num_barriers=1),
-          plgpu.Barrier(num_arrivals=_arrivals(), num_barriers=stages),
+          plgpu.Barrier(num_arrivals=LOAD_ARRIVALS, num_barriers=stages),
           plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       ),
   )

@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import page_prefetch_mgpu as P
 from pallas_kernels import restore_mgpu as R
 from zipfusion_jax.format import block as FB
+from zipfusion_jax.format import codec
 from zipfusion_jax.format import layout as FL
 
 PAGE = R.PAGE
@@ -45,12 +46,10 @@ def restore_tiles(byte_smem, k_smem, v_smem, stage, infos, head_dim, compressed)
       @pl.when(flags == R.FLAG_PAGE)
       def _():
         flat = byte_smem[stage, kind, s].reshape(-1)
-        slot_bytes = [(word1 >> (8 * j)) & 0xFF for j in range(nb)]
-        rows, start = [], jnp.int32(0)
-        for byte in slot_bytes:
-          rows.append(lax.dynamic_slice(flat, (start * R.UNIT,), (4 * R.UNIT,)))
-          start = start + jnp.where(byte == R.RAW, 4, 3)
-        bits = FB.decode_rows(jnp.stack(rows), jnp.stack(slot_bytes))  # [nb, 512] in position order
+        slot_bytes = jnp.stack([(word1 >> (8 * j)) & 0xFF for j in range(nb)])
+        starts = codec.block_offsets_in_group(slot_bytes)  # units from the slot start
+        rows = jnp.stack([lax.dynamic_slice(flat, (starts[j] * R.UNIT,), (4 * R.UNIT,)) for j in range(nb)])
+        bits = FB.decode_rows(rows, slot_bytes)  # [nb, 512] in position order
         tile[stage, rows_of_slot, :] = FB.from_bits(FL.blocks_to_pages(bits, "kv"[kind]))
 
 

@@ -14,22 +14,10 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm
 from jax.experimental.mosaic.gpu import utils as mu
 
+from pallas_kernels.restore_mgpu import RAW, _c, _eq, _i32, _scalar, _slot_byte
+
 CHUNK_PAGES = 128  # one page per producer thread
 ENTRY_WORDS = 7  # physical page, then per K / V: arena unit offset, word1 (slot bytes), raw blocks
-RAW = 0xFF
-
-
-def _i32():
-  return ir.IntegerType.get_signless(32)
-
-
-def _c(v, ty=None):
-  return mu.c(v, ty or _i32())
-
-
-def _scalar(x):
-  (reg,) = x.registers.flat
-  return reg
 
 
 def gather_pages(page_table_ref, meta_ref, chunk_ref, row_start, row_end, kvh, *, num_pages, nblocks, compressed):
@@ -63,8 +51,7 @@ def gather_pages(page_table_ref, meta_ref, chunk_ref, row_start, row_end, kvh, *
       word0, word1 = (llvm.extractelement(vec, _c(2 * kind + w)) for w in range(2))
       n_raw = _c(0)
       for j in range(nblocks):
-        byte = arith.andi(arith.shrui(word1, _c(8 * j)), _c(0xFF))
-        n_raw = arith.addi(n_raw, arith.extui(_i32(), arith.cmpi(arith.CmpIPredicate.eq, byte, _c(RAW))))
+        n_raw = arith.addi(n_raw, arith.extui(_i32(), _eq(_slot_byte(word1, j), _c(RAW))))
       fields = (arith.andi(word0, _c(0x3FFFFFFF)), word1, n_raw)
       for f, value in enumerate(fields):
         llvm.store(value, mu.getelementptr(out, [arith.addi(entry, _c(1 + 3 * kind + f))], _i32()))

@@ -35,12 +35,14 @@ from jax._src.lib.mlir.dialects import arith, llvm, scf, vector
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import utils as mu
 
+from zipfusion_jax.format import block as FB
+
 PAGES_PER_STEP = 4
 PAGE = 16
 TILE_ROWS, TILE_COLS = 8, 64  # bf16 SMEM tiling; 128-byte swizzle
 TILE_BYTES = TILE_ROWS * TILE_COLS * 2
 UNIT = 256
-RAW = 0xFF
+RAW = FB.META_RAW  # the slot byte of a raw block
 # Per-slot flag bits in the info words the producer writes.
 FLAG_PAGE = 1  # a completed (compressed / BF16) page
 FLAG_TAIL = 2  # the raw tail page, BF16 in the tail buffer (or the tile)
@@ -51,8 +53,8 @@ def _i32():
   return ir.IntegerType.get_signless(32)
 
 
-def _c(v):
-  return mu.c(v, _i32())
+def _c(v, ty=None):
+  return mu.c(v, ty or _i32())
 
 
 def _add(*xs):
@@ -169,11 +171,18 @@ def _is(flags, flag):
   return _eq(arith.andi(flags, _c(flag)), _c(flag))
 
 
-def _select_slot(flags, n, page_words, tail_fn):
-  """A slot's words: `page_words` (decoded unconditionally), the tail's (under the only
-  branch, taken once per sequence) or zeros for a slot past the sequence."""
-  words = [arith.select(_is(flags, FLAG_PAGE), w, _c(0)) for w in page_words]
-  return _branch(_is(flags, FLAG_TAIL), n, tail_fn, lambda: words)
+def _select_slots(slots):
+  """Flat words of page slots, each `(flags, page_words, tail_fn)`: `page_words` (decoded
+  unconditionally), zeros for a slot past the sequence, or `tail_fn()`'s words for the slot
+  holding the tail page, under one branch taken once per sequence."""
+  page = [[arith.select(_is(f, FLAG_PAGE), w, _c(0)) for w in words] for f, words, _ in slots]
+  any_tail = functools.reduce(arith.ori, [_is(f, FLAG_TAIL) for f, _, _ in slots])
+
+  def with_tail():
+    return [arith.select(_is(f, FLAG_TAIL), tw, w) for (f, _, tail_fn), words in zip(slots, page)
+            for w, tw in zip(words, tail_fn())]
+
+  return _branch(any_tail, sum(map(len, page)), with_tail, lambda: [w for words in page for w in words])
 
 
 def _fragments(words, shape):
@@ -202,7 +211,6 @@ def restore_k(byte_ref, tail_ref, infos, *, head_dim):
   Returns: a bf16 [64, D] WGMMA-layout FragmentedArray (register i = 8j + 4c + pair).
   """
   nblocks = head_dim // 32
-  n = 8 * nblocks
   warp, lane, g, t, byte_ptr, tail_ptr, infos = _setup(byte_ref, tail_ref, infos)
   flags, kw1 = infos[0][0], infos[0][1]
   for s in range(1, PAGES_PER_STEP):
@@ -226,8 +234,7 @@ def restore_k(byte_ref, tail_ref, infos, *, head_dim):
     return [_load32(tail_ptr, arith.addi(base, _c(2 * (8 * h * head_dim + 32 * j + 16 * c + 8 * e))))
             for j in range(nblocks) for c in range(2) for e in range(2) for h in range(2)]
 
-  words = _select_slot(flags, n, from_bytes(), from_tail)
-  return _fragments(words, (4 * PAGE, head_dim))
+  return _fragments(_select_slots([(flags, from_bytes(), from_tail)]), (4 * PAGE, head_dim))
 
 
 def restore_vt(byte_ref, tail_ref, infos, *, head_dim):
@@ -241,7 +248,7 @@ def restore_vt(byte_ref, tail_ref, infos, *, head_dim):
   warp, lane, g, t, byte_ptr, tail_ptr, infos = _setup(byte_ref, tail_ref, infos)
   frag = arith.addi(lane, arith.shli(arith.andi(warp, _c(1)), _c(5)))  # 32c + lane
   slot_bytes = 4 * nblocks * UNIT
-  per_slot = [None] * PAGES_PER_STEP
+  per_slot = []
   for s in range(PAGES_PER_STEP):
     flags, _, vw1 = infos[s]
 
@@ -273,17 +280,8 @@ def restore_vt(byte_ref, tail_ref, infos, *, head_dim):
             words.append(arith.ori(lo, arith.shli(hi, _c(16))))
       return words
 
-    per_slot[s] = (flags, from_bytes(), from_tail)
-  # Slot order in registers: m * 16 + 4s + pair. One branch for the step's (rare) tail slot.
-  flags = [f for f, _, _ in per_slot]
-  page = [[arith.select(_is(f, FLAG_PAGE), w, _c(0)) for w in words] for f, words, _ in per_slot]
-  any_tail = functools.reduce(arith.ori, [_is(f, FLAG_TAIL) for f in flags])
-
-  def with_tail():
-    return [arith.select(_is(f, FLAG_TAIL), tw, w) for (f, _, tail_fn), words in zip(per_slot, page)
-            for w, tw in zip(words, tail_fn())]
-
-  flat = _branch(any_tail, 16 * groups, with_tail, lambda: [w for words in page for w in words])
+    per_slot.append((flags, from_bytes(), from_tail))
+  flat = _select_slots(per_slot)  # slot-major; registers are m * 16 + 4s + pair
   words = [flat[s * 4 * groups + 4 * m + i] for m in range(groups) for s in range(PAGES_PER_STEP) for i in range(4)]
   return _fragments(words, (head_dim, 4 * PAGE))
 
