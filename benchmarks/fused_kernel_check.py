@@ -48,7 +48,9 @@ def case(key, batch, seq, kv_heads, group, head_dim, lengths, splits):
   variants = (("compressed", comp, {}), ("compressed_stages4", comp, {"stages": 4}),
               ("compressed_warp_issue", comp, {"warp_issue": True}),
               ("uncompressed", plain, {}), ("uncompressed_stages4", plain, {"stages": 4}),
-              ("uncompressed_warp_issue", plain, {"warp_issue": True}))
+              ("uncompressed_warp_issue", plain, {"warp_issue": True}),
+              ("compressed_warp_issue_cr0", comp, {"warp_issue": True, "consumer_registers": 0}),
+              ("uncompressed_warp_issue_cr0", plain, {"warp_issue": True, "consumer_registers": 0}))
   err = 0.0
   for name, cache, knobs in variants:
     if name.split("_")[0] not in PATHS:
@@ -107,9 +109,10 @@ def correctness(only=None):
   return results
 
 
-def timing(shapes, splits_list, lean=False):
+def timing(shapes, splits_list, lean=False, sweep=None):
   """CUPTI time of both paths per shape: split counts, stages=4, and the two timing probes
-  (lean: the heuristic's splits, stages 2 and 4, and the copies probe only)."""
+  (lean: the heuristic's splits, stages 2 and 4, and the copies probe only). sweep: a list of
+  DecodeConfig knob dicts (a "splits" key, else the heuristic's) timed instead."""
   model = get_config("llama3.1-8b")
   rows = []
   for i, (batch, context) in enumerate(shapes):
@@ -127,6 +130,8 @@ def timing(shapes, splits_list, lean=False):
     # Where the time goes: the producer's copies alone, the consumer's work alone.
     variants += [(heur.splits, {"timing_probe": "copies"}), (heur.splits, {"timing_probe": "copies", "warp_issue": True})]
     variants += [] if lean else [(heur.splits, {"timing_probe": "compute"})]
+    if sweep is not None:
+      variants = [(kn.get("splits", heur.splits), {k: x for k, x in kn.items() if k != "splits"}) for kn in sweep]
     for splits, knobs in variants:
       for name, cache, nbytes in (("zipfusion_compressed", comp, comp_bytes), ("zipfusion_uncompressed", plain, bf16_bytes)):
         cfg = DecodeConfig(splits=splits, **knobs)
@@ -152,6 +157,7 @@ def main(argv=None):
   p.add_argument("--only", type=int, default=None)
   p.add_argument("--paths", default="compressed,uncompressed")
   p.add_argument("--lean", action="store_true", help="fewer timing variants (see timing())")
+  p.add_argument("--sweep", default=None, help='JSON list of knob dicts, e.g. \'[{"splits": 2, "warp_issue": true}]\'')
   a = p.parse_args(argv)
   global PATHS
   PATHS = tuple(a.paths.split(","))
@@ -160,7 +166,8 @@ def main(argv=None):
     res["correctness"] = correctness(a.only)
   shapes = [(32, 2048), (8, 8192)] if a.quick else [(32, 2048), (8, 8192), (64, 4096), (1, 32768), (128, 1024)]
   if not a.skip_timing:
-    res["timing"] = timing(shapes, [1, 2, 4], lean=a.lean)
+    sweep = json.loads(a.sweep) if a.sweep else None
+    res["timing"] = timing(shapes, [1, 2, 4], lean=a.lean, sweep=sweep)
   if a.out:
     pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(a.out).write_text(json.dumps(res, indent=1))

@@ -50,6 +50,7 @@ LOAD_ARRIVALS = 2 * STEP_PAGES + 1  # one per (slot, K/V): a copy or a plain arr
 QROWS = 8  # query rows copied per CTA (>= heads per KV head)
 LSE_ROWS = 16  # rows of the (row-broadcast) log-sum-exp tile copied out: 512 B, a legal TMA
 LOG2E = 1.4426950408889634
+CTAS_PER_SM = 2  # the default config's SMEM and registers fit two
 NUM_SMS = 132
 
 
@@ -63,12 +64,16 @@ class DecodeConfig:
     stages: depth of the producer -> consumer ring (TMA runs that many steps ahead).
     warp_issue: each of the producer's 4 warps issues one page slot's copies (TMA from
       warp-level code, `plgpu.warp_map`) instead of one thread issuing all 8 in turn; the
-      compressed path's per-slot work is 6 predicated branches. Off until measured.
+      compressed path's per-slot work is 6 predicated branches. On by default: the one-thread
+      issue was the compressed kernel's bound (H200, 2026-12-04, 32 x 2048 with
+      consumer_registers=0: 56.8 us with it; the copies probe alone 59.8 us without it).
     consumer_registers: `setmaxnreg` of the consumer warpgroup (the producer keeps 40). Two
       CTAs per SM (the compressed path needs ~93 KB of SMEM at D = 128, 2 stages) need
       (consumer + 40) * 128 * 2 <= 65536, i.e. <= 216; the consumer holds K and V^T (64
-      registers), the accumulators (16) and the decode temporaries. 0: no `setmaxnreg` at all
-      (ptxas sizes one register count for both warpgroups). Unmeasured except 232.
+      registers), the accumulators (16) and the decode temporaries. 0 (default): no
+      `setmaxnreg` at all (ptxas sizes one register count for both warpgroups), which is what
+      gets 2 CTAs/SM; 232, 208 and 168 all measured at one (H200, 2026-12-04: 32 x 2048
+      compressed 78.7 us at 208 with warp_issue, 56.8 us at 0).
     timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
       waits for and releases each stage (the producer's copy rate), "compute" = the producer
       issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
@@ -77,8 +82,8 @@ class DecodeConfig:
   splits: int = 1
   stages: int = 2
   timing_probe: str = ""
-  warp_issue: bool = False
-  consumer_registers: int = 232
+  warp_issue: bool = True
+  consumer_registers: int = 0
 
   def __post_init__(self):
     if self.splits < 1:
@@ -92,20 +97,21 @@ class DecodeConfig:
 
 
 def heuristic_config(batch: int, kv_heads: int, max_pages: int) -> DecodeConfig:
-  """Pick splits so the grid about fills every SM while each split keeps >= 4 steps.
+  """Pick splits so the grid about fills every CTA slot while each split keeps >= 4 steps.
 
-  Decode attention is bandwidth bound: what matters is that every SM streams.
-  Fewer than ~132 (Hkv x B) CTAs leave SMs idle, so split the page range until
-  the grid covers 90% of a wave, but never below 4 steps (256 tokens) per split,
-  where the per-split prologue, epilogue and combine cost more than they hide.
-  Past that, more splits only add combine traffic (H200, 2026-12-04, Llama-3.1-8B
-  shapes: 8 x 8192 runs 141 us at 2 splits (128 CTAs), 149 us at 4; 32 x 2048
-  (256 CTAs) 143 us unsplit, 151 us at 2).
+  Decode attention is bandwidth bound: what matters is that every SM streams. The
+  default config runs 2 CTAs per SM, so fewer than ~264 (Hkv x B) CTAs leave slots
+  idle: split the page range until the grid covers 90% of them, but never below 4
+  steps (256 tokens) per split, where the per-split prologue, epilogue and combine
+  cost more than they hide. Past that, more splits only add combine traffic (H200,
+  2026-12-04, Llama-3.1-8B shapes, compressed: 8 x 8192 runs 138.6 / 77.8 / 60.2 us
+  at 1 / 2 / 4 splits (64 / 128 / 256 CTAs); 32 x 2048 (256 CTAs) 56.8 us unsplit,
+  64.9 at 2, 71.7 at 4).
   """
   ctas = batch * kv_heads
   steps = -(-max(max_pages, 1) // STEP_PAGES)
   splits = 1
-  while ctas * splits < 0.9 * NUM_SMS and steps // (2 * splits) >= 4:
+  while ctas * splits < 0.9 * CTAS_PER_SM * NUM_SMS and steps // (2 * splits) >= 4:
     splits *= 2
   return DecodeConfig(splits=splits)
 
