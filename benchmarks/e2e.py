@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import pathlib
 import statistics
@@ -134,7 +135,7 @@ def run_system(config, params, system: str, context: int, steps: int, warmup: in
   step_s = statistics.mean(times)
   attention_ms, decompress_ms = layer_parts(engine)
   compressed = SYSTEMS[system][0]
-  return dict(
+  row = dict(
       model=config.name, system=system, context=context, batch=batch,
       is_max_batch=bool(engine.scheduler.waiting) and budget is not None, kv_budget_gib=budget_gib,
       decode_tokens_per_s=batch / step_s, step_ms=1e3 * step_s, step_ms_median=1e3 * statistics.median(times),
@@ -142,6 +143,11 @@ def run_system(config, params, system: str, context: int, steps: int, warmup: in
       eligible_fraction=eligible_block_fraction(engine.cfg, engine.allocator) if compressed else None,
       kv_store_bytes=engine.cfg.store_bytes + engine.cfg.metadata_bytes,
       decompress_buffer_bytes=engine.backend.decompress_buffer_bytes, weights="random")
+  # The engine and its jitted steps form a reference cycle: collect it now, or the next system's
+  # store is allocated while this one's (the whole budget) is still alive.
+  del engine
+  gc.collect()
+  return row
 
 
 def offered_slots(context: int, max_slots: int) -> int:
@@ -169,6 +175,8 @@ def main(argv=None):
   rows = []
   for name in a.models.split(","):
     config = get_config(name)
+    params = None  # the previous model's weights go before this one's are made
+    gc.collect()
     params = random_params(config, jax.random.key(0))
     planted = None
     if a.kv_stats == "real":
