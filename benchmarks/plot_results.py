@@ -45,7 +45,7 @@ def draw_e2e_throughput(ax, result: dict) -> None:
       ax.text(x, r["decode_tokens_per_s"], f"B={r['batch']}", ha="center", va="bottom", fontsize=7)
   ax.set_xticks(range(len(settings)), [f"{m}\n{c // 1024}K, {b:g} GiB" for m, c, b in settings])
   ax.set_ylabel("decode tokens/s")
-  ax.set_title(f"Largest batch under one KV budget ({result['device']}, {result['date']})", fontsize=9)
+  ax.set_title(f"Largest batch under one KV budget\n({result['device']}, {result['date']})", fontsize=9)
   ax.legend(fontsize=7)
 
 

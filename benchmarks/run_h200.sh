@@ -14,8 +14,12 @@ python3 -m benchmarks.generate --batch 32 --context 8192 --out "$out/generate_h2
 python3 -m benchmarks.capacity --overhead --out "$out/allocator_overhead_h200.json" 2>&1 | tail -5
 python3 -m benchmarks.tp --tp 1 --out "$out/tp_h200.json" 2>&1 | tail -6
 # End-to-end under one KV budget (long: run on its own call, one model per call if needed).
-python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --steps 64 --decomposition --out "$out/e2e_h200.json" 2>&1 | tail -8
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m benchmarks.e2e --models llama3.1-8b,qwen3-8b --contexts 8192 --steps 256 --decomposition --out "$out/e2e_h200.json" 2>&1 | grep "tok/s"
 # The same at the embedded model's real-KV eligibility (outlier channels planted in the random weights).
-python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --steps 64 --kv-stats real --out "$out/e2e_h200_real_kv.json" 2>&1 | tail -8
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --steps 256 --kv-stats real --out "$out/e2e_h200_real_kv.json" 2>&1 | grep "tok/s"
 # What the decode step's non-attention time is made of (per-kernel CUPTI, grouped), zipfusion vs uncompressed.
 python3 -m benchmarks.step_profile --batch 32 --context 2048 --out "$out/step_profile_h200.json" 2>&1 | grep -vE "Warning|^\s*$" | tail -34
+# Where the step's non-kernel time goes: a profiler trace of one step (device gaps, host events).
+python3 -m benchmarks.step_timeline --batch 32 --context 2048 --out "$out/step_timeline_h200.json" 2>&1 | grep -vE "Warning|^W|^I0"
+python3 -m benchmarks.step_timeline --narrow --batch 32 --context 2048 --out "$out/step_timeline_narrow_h200.json" 2>&1 | grep -vE "Warning|^W|^I0"
+python3 -m benchmarks.step_flags --batch 32 --context 2048 --out "$out/step_flags_h200.json"

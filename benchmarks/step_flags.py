@@ -13,13 +13,14 @@ take the GPU's memory from them). Rows are step_profile's, plus `flags`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
 import subprocess
 import sys
 import tempfile
+
+from benchmarks.step_profile import step_parser  # imports jax, which starts no backend
 
 
 ALL_KINDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
@@ -31,14 +32,9 @@ FLAG_SETS = {
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--model", default="llama3.1-8b")
-  p.add_argument("--batch", type=int, default=32)
-  p.add_argument("--context", type=int, default=2048)
-  p.add_argument("--systems", default="zipfusion,uncompressed")
+  p = step_parser(__doc__.splitlines()[0])
   p.add_argument("--sets", default=",".join(FLAG_SETS), help=f"names from {sorted(FLAG_SETS)}")
   p.add_argument("--timeout", type=int, default=240, help="seconds per flag set")
-  p.add_argument("--out", type=pathlib.Path, default=None)
   a = p.parse_args(argv)
   result = dict(rows=[])
   for name in a.sets.split(","):
@@ -47,6 +43,7 @@ def main(argv=None):
       out = pathlib.Path(tmp) / "rows.json"
       cmd = [sys.executable, "-m", "benchmarks.step_profile", "--model", a.model, "--batch", str(a.batch),
              "--context", str(a.context), "--systems", a.systems, "--top", "0", "--out", str(out)]
+      cmd += ["--narrow"] if a.narrow else []
       try:
         subprocess.run(cmd, env=env, timeout=a.timeout, check=True, capture_output=True, text=True)
       except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:

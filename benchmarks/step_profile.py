@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import pathlib
 import re
 import time
@@ -27,6 +28,13 @@ from benchmarks.generate import save_result
 from models.configs import get_config
 from models.params import random_params
 from zipfusion_jax.serving.engine import Engine
+
+
+def narrow(config):
+  """The model's layer count and head_dim with near-zero widths (hidden 256, 4 q / 1 KV heads,
+  MLP 512, vocab 512): a step whose kernels do almost no work, so its wall time is the
+  per-step cost of the engine, the runtime and the kernel launches alone."""
+  return dataclasses.replace(config, hidden=256, intermediate=512, vocab=512, q_heads=4, kv_heads=1)
 
 
 def kernel_stem(name: str) -> str:
@@ -75,22 +83,34 @@ def run(config, params, system: str, batch: int, context: int) -> dict:
               kernels=len(kernels), groups=[dict(stem=k, us=v[0], count=v[1]) for k, v in ranked])
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def step_parser(description: str) -> argparse.ArgumentParser:
+  """The arguments every step benchmark takes (step_profile, step_timeline, step_flags)."""
+  p = argparse.ArgumentParser(description=description)
   p.add_argument("--model", default="llama3.1-8b")
   p.add_argument("--batch", type=int, default=32)
   p.add_argument("--context", type=int, default=2048)
   p.add_argument("--systems", default="zipfusion,uncompressed")
-  p.add_argument("--top", type=int, default=15)
+  p.add_argument("--narrow", action="store_true", help="the model's layers with near-zero widths (narrow())")
   p.add_argument("--out", type=pathlib.Path, default=None)
-  a = p.parse_args(argv)
-  config = get_config(a.model)
+  return p
+
+
+def each_system(a, run_one):
+  """Yield (system, run_one(config, params, system, batch, context)) for the parsed `a`."""
+  config = narrow(get_config(a.model)) if a.narrow else get_config(a.model)
   params = random_params(config, jax.random.key(0))
-  rows = []
   for system in a.systems.split(","):
     if system not in SYSTEMS:
       raise SystemExit(f"unknown system {system!r}; known: {sorted(SYSTEMS)}")
-    row = run(config, params, system, a.batch, a.context)
+    yield system, run_one(config, params, system, a.batch, a.context)
+
+
+def main(argv=None):
+  p = step_parser(__doc__.splitlines()[0])
+  p.add_argument("--top", type=int, default=15)
+  a = p.parse_args(argv)
+  rows = []
+  for system, row in each_system(a, run):
     rows.append(row)
     print(f"{a.model} {system} B={a.batch} S={a.context}: step {row['step_wall_us'] / 1e3:.2f} ms wall, "
           f"{row['step_kernel_us'] / 1e3:.2f} ms in {row['kernels']} kernels")

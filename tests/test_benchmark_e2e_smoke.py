@@ -44,3 +44,19 @@ def test_step_profile_runs_on_cpu_and_groups_kernel_names():
   rows = step_profile.main(["--model", "tiny-llama3", "--batch", "2", "--context", "40"])["rows"]
   assert [r["system"] for r in rows] == ["zipfusion", "uncompressed"]
   assert all(r["step_kernel_us"] > 0 and r["groups"] for r in rows)
+
+
+def test_step_timeline_finds_device_gaps_and_traces_a_step_on_cpu():
+  from benchmarks import step_timeline as st
+
+  # Two streams overlapping, then a 10 µs gap, then a 300 µs gap.
+  kernels = [(0, 5_000, "a"), (2_000, 8_000, "b"), (18_000, 20_000, "c"), (320_000, 321_000, "d")]
+  d = st.device_summary(kernels)
+  assert d["span_us"] == 321 and d["busy_us"] == 8 + 2 + 1 and d["idle_us"] == 10 + 300
+  assert d["gaps"] == 2 and d["gap_histogram"] == {"<20us": 1, "<1000us": 1}
+  assert [g["before"] for g in d["largest_gaps"]] == ["d", "c"] and d["largest_gaps"][0]["us"] == 300
+  assert st.device_summary([]) == {}
+  host = st.host_summary({"t": [(0, 3_000, "x"), (5_000, 6_000, "x"), (0, 500, "y")]})
+  assert host["t"][0] == {"name": "x", "us": 4.0, "count": 2}
+  rows = st.main(["--model", "tiny-llama3", "--batch", "2", "--context", "40", "--systems", "zipfusion"])["rows"]
+  assert rows[0]["step_wall_us"] > 0 and any("engine.py" in e["name"] for e in rows[0]["host"]["python"])
