@@ -171,9 +171,9 @@ def allocator_overhead(batch: int = 64, context: int = 8192, steps: int = 200, s
     done, placement, _ = sched.plan_decode()
     plan = decode_plan(cfg, {s: r.length for s, r in sched.running.items()}, [r.slot for r in done], placement)
     check_plan(cfg, plan)
-    slots = [r.slot for r in done]  # the device would write these columns of step_units
-    readback[:, slots] = sizes[:, rng.integers(0, 512, len(slots))]
-    alloc.commit(placement, readback[:, slots])
+    n = len(done)  # the device writes the completed pages' units to the first n columns
+    readback[:, :n] = sizes[:, rng.integers(0, 512, n)]
+    alloc.commit(placement, readback)
     sched.decoded(done, placement, tokens)
     return plan
 

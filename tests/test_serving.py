@@ -40,14 +40,15 @@ def _page_rows(k, v, length, max_pages):
 
 
 @pytest.mark.parametrize("compressed", [True, False])
-def test_one_compile_for_any_batch_composition(compressed):
+def test_compiles_are_bounded_by_the_completion_widths_for_any_batch_composition(compressed):
   engine = make_engine(compressed)
   rng = np.random.default_rng(3)
   for n in (1, 17, 5, 33, 2, 40, 16):
     engine.submit(rng.integers(0, 1000, n), int(rng.integers(1, 20)))
     engine.step()
   engine.run()
-  assert dict(engine.traces) == {"prefill": 1, "decode": 1}
+  assert engine.traces["prefill"] == 1
+  assert 1 <= engine.traces["decode"] <= len(engine.cfg.completion_widths)
   assert len(engine.scheduler.finished) == 7
 
 
@@ -229,6 +230,25 @@ def test_invalid_plans_give_plan_errors():
     check_plan(cfg, d.replace(new_pages=d.new_pages[:2]))
   with pytest.raises(PlanError, match="exactly where a page completes"):
     check_plan(cfg, decode_plan(cfg, {0: 14}, [0], placement))
+  check_plan(cfg, d)
+  assert d.completing.shape == (cfg.completion_width(1),) and d.completing[0] == 0
+  with pytest.raises(PlanError, match="must list the completing slots"):
+    check_plan(cfg, d.replace(completing=np.full_like(d.completing, -1)))
+  with pytest.raises(PlanError, match="completing has shape"):
+    check_plan(cfg, d.replace(completing=np.zeros(cfg.num_slots + 1, np.int32)))
+  with pytest.raises(PlanError, match="completing has shape"):
+    check_plan(cfg, plan.replace(completing=np.zeros(1, np.int32)))  # prefill plans carry none
+
+
+def test_completion_widths_cover_every_count_and_start_at_zero():
+  for slots in (1, 2, 5, 16, 46, 58, 128, 768):
+    cfg = ServingConfig(num_layers=1, num_kv_heads=1, head_dim=64, num_slots=slots, max_pages=2, num_chunks=2)
+    widths = cfg.completion_widths
+    assert widths[0] == 0 and widths[-1] == slots and list(widths) == sorted(set(widths))
+    assert all(cfg.completion_width(n) >= n and cfg.completion_width(n) in widths for n in range(slots + 1))
+    assert cfg.completion_width(0) == 0 and cfg.completion_width(1) <= max(1, 2 * -(-slots // 16)) * 2
+  with pytest.raises(ValueError, match="completing pages"):
+    cfg.completion_width(slots + 1)
 
 
 def test_pallas_encoder_writes_the_same_state():
@@ -318,3 +338,24 @@ def test_decompress_then_attend_backend_matches_fused_bit_for_bit():
   np.testing.assert_array_equal(auxes["fused"], auxes["decompress_then_attend"])
   with pytest.raises(ValueError, match="attention="):
     PagedBackend(cfg, attention="unfused")
+
+
+@pytest.mark.parametrize("compressed", [True, False])
+def test_a_step_encodes_and_places_only_its_completion_width(compressed):
+  """A width-0 step (no page completes) lowers without the per-layer store writes; widths as planned."""
+  engine = make_engine(compressed, num_slots=8)
+  cfg = engine.cfg
+  assert cfg.completion_widths == (0, 2, 8)
+  tokens = np.zeros(cfg.num_slots, np.int32)
+
+  def lowered(lengths, completing):
+    plan = decode_plan(cfg, lengths, completing, engine.allocator.reserve(len(completing)))
+    check_plan(cfg, plan)
+    text = engine._decode.lower(engine.params, engine.state, plan, tokens).as_text()
+    engine.allocator.cancel(engine.allocator._pending)
+    return plan.completing.shape[0], text.count("stablehlo.scatter")
+
+  (w0, none), (w1, one) = lowered({0: 20, 1: 3}, []), lowered({0: 15, 1: 3}, [0])
+  assert (w0, w1) == (0, 2)
+  # Each layer places pages with several scatters (store, metadata, chunk fill, step units).
+  assert one - none >= 3 * cfg.num_layers, (none, one)

@@ -13,7 +13,8 @@ Placement rule (the host allocator relies on it): the completed pages of one
 layer in one step are taken in plan order; the pages bound for one chunk are
 consecutive and packed back to back from the chunk's bump pointer, each page
 as its 2 * Hkv groups in (head, K/V) order; the bump pointer advances by
-what they actually took, which the step reports in `state.step_units`.
+what they actually took, which the step reports in `state.step_units` (a page's
+column is its place in plan order: logical page in a prefill, `plan.completing` in a decode).
 """
 
 from __future__ import annotations
@@ -105,9 +106,9 @@ class PagedBackend:
 
     kp, vp = paged(k), paged(v)
     n_full = plan.prefill_length // PAGE_SIZE
-    completes = jnp.arange(cfg.max_pages) < n_full
+    page_ids = jnp.where(jnp.arange(cfg.max_pages) < n_full, plan.new_pages, -1)
     pages = jnp.stack([kp[: cfg.max_pages], vp[: cfg.max_pages]], axis=2)  # [max_pages, Hkv, 2, 16, D]
-    state = self._place(state, layer, plan, pages, completes)
+    state = self._place(state, layer, plan, pages, page_ids)
     # Tail: tokens [16 * n_full, length) of the prompt, zeros past them.
     row = jnp.arange(PAGE_SIZE)
     keep = (row < plan.prefill_length % PAGE_SIZE)[None, :, None]
@@ -140,7 +141,13 @@ class PagedBackend:
     )
     k_tail, v_tail = write(state.k_tail[layer], k), write(state.v_tail[layer], v)
     completes = plan.active & (row == PAGE_SIZE - 1)
-    state = self._place(state, layer, plan, jnp.stack([k_tail, v_tail], axis=2), completes)
+    if plan.completing.shape[0]:  # static: a width-0 step completes no page and encodes nothing
+      # The plan's completing slots (width M, -1 padded), not all S: encode and placement
+      # work follows the pages that complete.
+      slot = jnp.clip(plan.completing, 0, cfg.num_slots - 1)
+      pages = jnp.stack([k_tail[slot], v_tail[slot]], axis=2)  # [M, Hkv, 2, 16, D]
+      page_ids = jnp.where(plan.completing >= 0, plan.new_pages[slot], -1)
+      state = self._place(state, layer, plan, pages, page_ids)
     clear = lambda tail: jnp.where(completes[:, None, None, None], jnp.zeros_like(tail), tail)
     return state.replace(
         k_tail=state.k_tail.at[layer].set(clear(k_tail)), v_tail=state.v_tail.at[layer].set(clear(v_tail))
@@ -200,12 +207,13 @@ class PagedBackend:
     fresh = grants[jnp.clip(bins, 0, grants.shape[0] - 1)]
     return jnp.where(completes, jnp.where(bins < 0, current, fresh), -1)
 
-  def _place(self, state: ServingState, layer: int, plan: Plan, pages: jax.Array, completes: jax.Array):
-    """Encode `pages` (bfloat16 [N, Hkv, 2, 16, D]) and write those that `completes` (bool [N]) to the store."""
+  def _place(self, state: ServingState, layer: int, plan: Plan, pages: jax.Array, page_ids: jax.Array):
+    """Encode `pages` (bfloat16 [N, Hkv, 2, 16, D]) and write those with a page id (int32 [N],
+    -1: none) to the store; their units go to `step_units[layer, :N]`."""
     cfg = self.cfg
     n = pages.shape[0]
     C, P = cfg.num_chunks, cfg.num_page_ids
-    page_ids = jnp.where(completes, plan.new_pages, -1)
+    completes = page_ids >= 0
     if cfg.compressed:
       rows, meta_bytes = _encode(pages, self.encoder)  # [N, Hkv, 2, nb, 1024], [N, Hkv, 2, 4]
       group_units = jnp.sum(B.block_units(meta_bytes), axis=-1)  # [N, Hkv, 2]

@@ -20,7 +20,9 @@ is the test double):
 
 Both call `backend.prefill_layer` / `decode_layer` per layer and then
 `backend.end_step`. The slot count and padded prefill length are fixed, so
-each step compiles once for any batch composition (`Engine.traces` counts).
+prefill compiles once and decode at most once per `cfg.completion_widths` entry (how many
+pages the step encodes and places: 0, a small width, S; the host plans each step at the
+smallest that holds its completing pages), for any batch composition (`Engine.traces` counts).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def prefill_plan(cfg: ServingConfig, slot: int, length: int, placement: Placemen
       new_pages=new_pages,
       current_chunk=placement.current_chunk.astype(np.int32),
       grants=_grants(cfg, placement, cfg.max_pages),
+      completing=np.zeros(0, np.int32),
       kind="prefill",
   )
 
@@ -93,6 +96,9 @@ def decode_plan(cfg: ServingConfig, lengths: dict[int, int], completing: list[in
     raise ValueError(f"completing slots {completing} must be in slot order (the device packs pages in slot order)")
   for i, s in enumerate(completing):
     new_pages[s] = placement.page_ids[i]
+  width = cfg.completion_width(len(completing))
+  slots = np.full(width, NO_PAGE, np.int32)
+  slots[: len(completing)] = completing
   return Plan(
       positions=positions,
       active=active,
@@ -100,7 +106,8 @@ def decode_plan(cfg: ServingConfig, lengths: dict[int, int], completing: list[in
       prefill_length=np.int32(0),
       new_pages=new_pages,
       current_chunk=placement.current_chunk.astype(np.int32),
-      grants=_grants(cfg, placement, S),
+      grants=_grants(cfg, placement, width),
+      completing=slots,
       kind="decode",
   )
 
@@ -211,8 +218,7 @@ class Engine:
         tokens[s] = r.generated[-1]
       nxt, aux, units = self.run_decode(plan, tokens)
       report.readback_bytes += nxt.nbytes + aux.nbytes + units.nbytes
-      cols = [r.slot for r in done]
-      self.allocator.commit(placement, units[..., cols])
+      self.allocator.commit(placement, units)  # the completed pages' columns come first, in slot order
       report.decoded = len(lengths)
       self.last_aux = aux
       report.finished += [r.rid for r in sched.decoded(done, placement, nxt)]

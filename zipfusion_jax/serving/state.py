@@ -122,6 +122,23 @@ class ServingConfig:
     """N of the per-page plan fields and of the readback: max(S, max_pages)."""
     return max(self.num_slots, self.max_pages)
 
+  @functools.cached_property
+  def completion_widths(self) -> tuple[int, ...]:
+    """The static page counts a decode step can encode and place: 0 (no page completes: the
+    step skips the encoder), a small width (twice the mean when the slots' pages complete on
+    spread-out steps, S / 16, rounded up to a power of two) and S (every slot at once). Each
+    width is its own compiled decode step; a step is planned at the smallest that holds its
+    completing pages, so encode and placement work follows the pages that complete, not S."""
+    S = self.num_slots
+    small = 1 << max(0, (2 * -(-S // PAGE_SIZE) - 1).bit_length())
+    return tuple(sorted({0, min(small, S), S}))
+
+  def completion_width(self, pages: int) -> int:
+    """The smallest of `completion_widths` that holds `pages` completing pages."""
+    if not 0 <= pages <= self.num_slots:
+      raise ValueError(f"{pages} completing pages for {self.num_slots} slots")
+    return next(w for w in self.completion_widths if w >= pages)
+
   def max_grants(self, pages: int) -> int:
     """Chunks one layer may take in a step that completes `pages` pages."""
     return -(-pages // self.chunk_pages) + 1
@@ -227,6 +244,9 @@ class Plan:
     prefill_length: int32 [] prompt tokens of the prefill (0 in decode plans).
     new_pages: int32 [N] page id of each page this step completes, -1 where
       none: decode N = S (indexed by slot), prefill N = max_pages (by logical page).
+    completing: int32 [M] (decode) the slots whose page completes, in slot order, -1
+      padding; M = `cfg.completion_width(count)` is static, the width the step encodes
+      and places (and of `grants` and the step's page columns of `step_units`). Prefill: [0].
     current_chunk: int32 [L] chunk each layer fills first (-1: none); the
       step packs its completed pages into it, then into `grants` in order, by
       their encoded sizes (`packing.page_bins`).
@@ -242,6 +262,7 @@ class Plan:
   new_pages: jax.Array
   current_chunk: jax.Array
   grants: jax.Array
+  completing: jax.Array
   kind: str = flax.struct.field(pytree_node=False, default="decode")
 
 
@@ -255,7 +276,8 @@ def check_plan(cfg: ServingConfig, plan: Plan) -> None:
   Raises:
     PlanError: wrong shapes; a page id outside [0, num_page_ids) or repeated;
       a chunk id outside [0, num_chunks); a completed page without a page id
-      or destination (or one where no page completes); a bad prefill slot or length.
+      or destination (or one where no page completes); `completing` not the completing
+      slots in order at a planned width; a bad prefill slot or length.
   """
   import numpy as np
 
@@ -263,7 +285,11 @@ def check_plan(cfg: ServingConfig, plan: Plan) -> None:
   if plan.kind not in ("decode", "prefill"):
     raise PlanError(f"plan.kind={plan.kind!r} must be 'decode' or 'prefill'")
   n = S if plan.kind == "decode" else cfg.max_pages
-  g = cfg.max_grants(n)
+  completing = np.asarray(plan.completing)
+  widths = cfg.completion_widths if plan.kind == "decode" else (0,)
+  if completing.ndim != 1 or completing.shape[0] not in widths:
+    raise PlanError(f"plan.completing has shape {completing.shape}, expected one of {[(w,) for w in widths]}")
+  g = cfg.max_grants(completing.shape[0] if plan.kind == "decode" else n)
   positions, active = np.asarray(plan.positions), np.asarray(plan.active)
   new_pages, current, grants = np.asarray(plan.new_pages), np.asarray(plan.current_chunk), np.asarray(plan.grants)
   for name, x, shape in (
@@ -294,6 +320,11 @@ def check_plan(cfg: ServingConfig, plan: Plan) -> None:
     completes = np.arange(n) < length // PAGE_SIZE
   if np.any(completes != (new_pages != NO_PAGE)):
     raise PlanError("plan.new_pages must name a page id exactly where a page completes")
+  if plan.kind == "decode":
+    slots = np.flatnonzero(completes)
+    if slots.size > completing.size or np.any(completing != np.pad(slots, (0, completing.size - slots.size), constant_values=NO_PAGE)):
+      raise PlanError(f"plan.completing={completing.tolist()} must list the completing slots {slots.tolist()} in order, "
+                      "then -1")
   fresh = grants[grants != NO_PAGE]
   if len(set(fresh.tolist())) != fresh.size or np.any(np.isin(current[current != NO_PAGE], fresh)):
     raise PlanError("plan.grants repeats a chunk or names a current chunk")
