@@ -351,7 +351,7 @@ def test_a_step_encodes_and_places_only_its_completion_width(compressed):
   def lowered(lengths, completing):
     plan = decode_plan(cfg, lengths, completing, engine.allocator.reserve(len(completing)))
     check_plan(cfg, plan)
-    text = engine._decode.lower(engine.params, engine.state, plan, tokens).as_text()
+    text = engine.lower_decode(plan, tokens).as_text()
     engine.allocator.cancel(engine.allocator._pending)
     return plan.completing.shape[0], text.count("stablehlo.scatter")
 

@@ -101,7 +101,7 @@ def test_state_stays_sharded_and_collectives_are_two_all_reduces_per_layer():
   tokens = np.zeros(engine.cfg.num_slots, np.int32)
   for lengths, completing, reduces in (({0: 20}, [], 2), ({0: 15}, [0], 3)):
     plan = decode_plan(engine.cfg, lengths, completing, engine.allocator.reserve(len(completing)))
-    hlo = engine._decode.lower(engine.params, engine.state, plan, tokens).compile().as_text()
+    hlo = engine.lower_decode(plan, tokens).compile().as_text()
     engine.allocator.cancel(engine.allocator._pending)
     assert "all-gather" not in hlo and "all-to-all" not in hlo and "collective-permute" not in hlo
     assert hlo.count("all-reduce(") + hlo.count("all-reduce-start(") == reduces * config.layers, completing

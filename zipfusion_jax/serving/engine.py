@@ -10,7 +10,9 @@ scheduler. One `step()`:
 Each step reads back a fixed, small set of arrays: the next tokens, the
 model's `aux` (decode) and `state.step_units` int32 [L, max(S, max_pages)]
 (the units each completed page took), from which the host allocator advances
-its mirror of the bump pointers. There is no other host-device traffic.
+its mirror of the bump pointers. There is no other host-device traffic, and it
+is one transfer each way (`transfer.py`): the plan and tokens go down as one
+int32 buffer, the readback comes up as one.
 
 The model interface (what the Flax decoder provides; `standin.StandInDecoder`
 is the test double):
@@ -39,6 +41,7 @@ from zipfusion_jax.serving.backend import PagedBackend
 from zipfusion_jax.serving.scheduler import Request, Scheduler
 from zipfusion_jax.serving.state import NO_PAGE, Plan, ServingConfig, ServingState, check_plan, init_state
 from zipfusion_jax.serving.tensor_parallel import AXIS, TensorParallel
+from zipfusion_jax.serving.transfer import Layout, pack_device, pack_host
 
 
 class Decoder(Protocol):
@@ -145,17 +148,45 @@ class Engine:
     self.traces: collections.Counter[str] = collections.Counter()
     self.last_aux = None
     self.steps = 0
-    self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
-    self._decode = jax.jit(self._decode_fn, donate_argnums=1)
+    self._readback_layouts: dict[Layout, Layout] = {}  # the step's input layout -> its readback's
+    self._prefill = jax.jit(self._prefill_fn, donate_argnums=1, static_argnums=3)
+    self._decode = jax.jit(self._decode_fn, donate_argnums=1, static_argnums=3)
 
-  def _prefill_fn(self, params, state, plan, tokens):
+  # The jitted steps take (params, state, packed plan and tokens int32 [n], their static layout) and
+  # return (packed readback int32 [m], state); the readback's layout is recorded when they trace.
+  # Under tensor parallelism `step_units` is sharded (one block of rows per device): it stays out of
+  # the packed buffer, which would otherwise need an all-gather, and is read back on its own.
+
+  def _readback(self, layout: Layout, outputs: tuple, state: ServingState) -> jax.Array:
+    tree = outputs + ((state.step_units,) if self.tp is None else ())
+    readback, self._readback_layouts[layout] = pack_device(tree)
+    return readback
+
+  def _prefill_fn(self, params, state, packed, layout: Layout):
     self.traces["prefill"] += 1
+    plan, tokens = layout.unpack(packed)
     nxt, state = self.model.prefill(params, self.backend, state, plan, tokens)
-    return nxt, state
+    return self._readback(layout, (nxt,), state), state
 
-  def _decode_fn(self, params, state, plan, tokens):
+  def _decode_fn(self, params, state, packed, layout: Layout):
     self.traces["decode"] += 1
-    return self.model.decode(params, self.backend, state, plan, tokens)
+    plan, tokens = layout.unpack(packed)
+    nxt, aux, state = self.model.decode(params, self.backend, state, plan, tokens)
+    return self._readback(layout, (nxt, aux), state), state
+
+  def lower_decode(self, plan: Plan, tokens: np.ndarray):
+    """The jitted decode step lowered for this plan (`jax.stages.Lowered`: HLO, compile)."""
+    packed, layout = pack_host((plan, np.asarray(tokens, np.int32)))
+    return self._decode.lower(self.params, self.state, packed, layout)
+
+  def _call(self, jitted, plan: Plan, tokens: np.ndarray):
+    """Run a jitted step on (plan, tokens): one transfer down, one up; returns the readback's leaves."""
+    packed, layout = pack_host((plan, tokens))
+    readback, self.state = jitted(self.params, self.state, packed, layout)
+    if self.tp is not None:
+      readback, units = jax.device_get((readback, self.state.step_units))
+      return (*self._readback_layouts[layout].unpack(readback, np), units)
+    return self._readback_layouts[layout].unpack(np.asarray(jax.device_get(readback)), np)
 
   # --- requests ---------------------------------------------------------------------
 
@@ -174,15 +205,13 @@ class Engine:
     check_plan(self.cfg, plan)
     padded = np.zeros(self.cfg.max_length, np.int32)
     padded[: len(tokens)] = tokens
-    nxt, self.state = self._prefill(self.params, self.state, plan, padded)
-    nxt, units = jax.device_get((nxt, self.state.step_units))
+    nxt, units = self._call(self._prefill, plan, padded)
     return nxt, self._per_device(units)
 
   def run_decode(self, plan: Plan, tokens: np.ndarray):
     """Validate and run one decode plan; returns the readback (next tokens, aux, step_units)."""
     check_plan(self.cfg, plan)
-    nxt, aux, self.state = self._decode(self.params, self.state, plan, np.asarray(tokens, np.int32))
-    nxt, aux, units = jax.device_get((nxt, aux, self.state.step_units))
+    nxt, aux, units = self._call(self._decode, plan, np.asarray(tokens, np.int32))
     return nxt, aux, self._per_device(units)
 
   def _per_device(self, step_units: np.ndarray) -> np.ndarray:
