@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import glob
 import pathlib
+import re
 import tempfile
 
 import jax
@@ -57,9 +58,21 @@ def device_summary(kernels: list[tuple[float, float, str]], top: int = 10) -> di
   return dict(
       span_us=(busy[-1][1] - busy[0][0]) / 1e3, busy_us=sum(e - s for s, e in busy) / 1e3,
       idle_us=sum(g for g, _ in gaps) / 1e3, events=len(kernels), gaps=len(gaps),
-      gap_histogram=dict(hist),
-      largest_gaps=[dict(us=g / 1e3, at_us=(t - busy[0][0]) / 1e3, before=after.get(starts[t], "")[:80])
+      gap_histogram=dict(hist), start_ns=busy[0][0], end_ns=busy[-1][1],
+      largest_gaps=[dict(us=g / 1e3, at_us=(t - busy[0][0]) / 1e3, start_ns=t, end_ns=starts[t],
+                         before=after.get(starts[t], "")[:80])
                     for g, t in largest])
+
+
+def host_during(lines: dict[str, list[tuple[float, float, str]]], lo: float, hi: float, top: int = 15) -> list[dict]:
+  """Host events overlapping [lo, hi] (ns), by overlap: what the host did while the device idled."""
+  out = []
+  for line, events in lines.items():
+    for s, e, name in events:
+      overlap = min(e, hi) - max(s, lo)
+      if overlap > 0:
+        out.append(dict(line=line[:40], name=name[:100], overlap_us=overlap / 1e3, us=(e - s) / 1e3))
+  return sorted(out, key=lambda r: -r["overlap_us"])[:top]
 
 
 def host_summary(lines: dict[str, list[tuple[float, float, str]]], top: int = 15) -> dict:
@@ -97,17 +110,30 @@ def read_trace(trace_dir: str):
 def run(config, params, system: str, batch: int, context: int) -> dict:
   engine = admitted_engine(config, params, system, context, batch, new_tokens=6, budget=None)
   engine.step()  # nothing left to compile
+  options = jax.profiler.ProfileOptions()
+  options.host_tracer_level = 3  # the runtime's own events (thunk launches, transfers), not only TraceMes at level 1-2
+  options.python_tracer_level = 1
   with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp):
+    with jax.profiler.trace(tmp, profiler_options=options):
       engine.step()
     kernels, host = read_trace(tmp)
-  step = [e for e in host.get("python", []) if e[2].endswith(" step") and "engine.py" in e[2]]
+  step = [e for evs in host.values() for e in evs if re.search(r"engine\.py:\d+ step$", e[2])]
   if step:  # host events inside the step only (not the profiler's own start and stop)
     lo, hi = step[0][:2]
     host = {line: [e for e in evs if lo <= e[0] and e[1] <= hi] for line, evs in host.items()}
+  device = device_summary(kernels)
+  windows = {}
+  if device:
+    if step:
+      windows["before_device"] = host_during(host, step[0][0], device["start_ns"])
+      windows["after_device"] = host_during(host, device["end_ns"], step[0][1])
+    for i, g in enumerate(device["largest_gaps"][:3]):
+      windows[f"gap{i}"] = host_during(host, g["start_ns"], g["end_ns"])
   return dict(model=config.name, system=system, batch=batch, context=context,
               step_wall_us=(step[0][1] - step[0][0]) / 1e3 if step else None,
-              device=device_summary(kernels), host=host_summary(host))
+              step_to_device_us=(device["start_ns"] - step[0][0]) / 1e3 if step and device else None,
+              device_to_end_us=(step[0][1] - device["end_ns"]) / 1e3 if step and device else None,
+              device=device, host=host_summary(host), host_during=windows)
 
 
 def main(argv=None):
@@ -122,6 +148,9 @@ def main(argv=None):
             f"{d['gap_histogram']}", flush=True)
       for g in d["largest_gaps"][:5]:
         print(f"    gap {g['us']:8.1f} us at {g['at_us']:8.0f} us before {g['before']}", flush=True)
+    print(f"  host before the device span {row['step_to_device_us']} us, after it {row['device_to_end_us']} us", flush=True)
+    for window, evs in row["host_during"].items():
+      print(f"  host during {window}: " + "; ".join(f"{e['name'][:50]} {e['overlap_us']:.0f}us" for e in evs[:8]), flush=True)
     python = row["host"].get("python", [])
     for e in python[:12]:
       print(f"  host {e['us']:9.1f} us x{e['count']:<4d} {e['name']}", flush=True)

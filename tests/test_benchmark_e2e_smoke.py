@@ -60,3 +60,16 @@ def test_step_timeline_finds_device_gaps_and_traces_a_step_on_cpu():
   assert host["t"][0] == {"name": "x", "us": 4.0, "count": 2}
   rows = st.main(["--model", "tiny-llama3", "--batch", "2", "--context", "40", "--systems", "zipfusion"])["rows"]
   assert rows[0]["step_wall_us"] > 0 and any("engine.py" in e["name"] for e in rows[0]["host"]["python"])
+
+
+def test_step_host_splits_a_step_into_phases_on_cpu():
+  from benchmarks import step_host
+
+  row = step_host.main(["--model", "tiny-llama3", "--batch", "2", "--context", "40", "--systems", "zipfusion",
+                        "--steps", "2"])["rows"][0]
+  phases = row["phases_ms_median"]
+  assert set(step_host.PHASES) <= set(phases) and phases["wall"] > 0
+  assert phases["dispatch"] > 0 and phases["device"] >= 0 and phases["commit"] > 0
+  assert sum(phases[p] for p in step_host.PHASES) <= phases["wall"] * 1.01
+  assert all(row["jitted_alone"][k] > 0 for k in ("sync_ms", "pipelined_ms", "pipelined_device_plan_ms"))
+  assert row["cprofile_top"] and row["cprofile_top"][0]["own_ms"] >= row["cprofile_top"][-1]["own_ms"]
