@@ -96,8 +96,9 @@ class DecodeConfig:
       raise ValueError(f"{self.timing_probe=} must be '', 'copies' or 'compute'")
 
 
-def heuristic_config(batch: int, kv_heads: int, max_pages: int) -> DecodeConfig:
-  """Pick splits so the grid about fills every CTA slot while each split keeps >= 4 steps.
+def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool = False) -> DecodeConfig:
+  """Pick splits so the grid about fills every CTA slot while each split keeps >= 4 steps, and
+  the ring depth by store.
 
   Decode attention is bandwidth bound: what matters is that every SM streams. The
   default config runs 2 CTAs per SM, so fewer than ~264 (Hkv x B) CTAs leave slots
@@ -107,13 +108,19 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int) -> DecodeConfig:
   2026-12-04, Llama-3.1-8B shapes, compressed: 8 x 8192 runs 138.6 / 77.8 / 60.2 us
   at 1 / 2 / 4 splits (64 / 128 / 256 CTAs); 32 x 2048 (256 CTAs) 56.8 us unsplit,
   64.9 at 2, 71.7 at 4).
+
+  Stages: 3 for 12-bit pages, 2 for BF16 pages. A compressed step's copies are ~25% smaller than
+  a BF16 step's, so at the same depth fewer bytes are in flight; with the tail page in its
+  byte-stage slot, 3 stages (~109 KB of SMEM at D = 128) still fit two CTAs per SM (H100,
+  2026-12-05, compressed: 32 x 2048 89.0 -> 82.3 us, 8 x 8192 94.5 -> 88.1 us; BF16 pages
+  unchanged, 94.9 / 97.6 us at both depths).
   """
   ctas = batch * kv_heads
   steps = -(-max(max_pages, 1) // STEP_PAGES)
   splits = 1
   while ctas * splits < 0.9 * CTAS_PER_SM * NUM_SMS and steps // (2 * splits) >= 4:
     splits *= 2
-  return DecodeConfig(splits=splits)
+  return DecodeConfig(splits=splits, stages=3 if compressed else 2)
 
 
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
@@ -123,7 +130,8 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
       rows past the end; lengths_ref: i32 [B]; page_table_ref: i32 [B, MP];
-    k_tail_ref, v_tail_ref: bf16 [B, Hkv, 16, D];
+    k_tail_ref, v_tail_ref: bf16 [B, Hkv, 16, D], or (compressed, restored in registers) the
+      same bytes as uint8 [B, Hkv, 4 * nb, 256]: one byte-stage slot, where the tail page lands;
     compressed: arena_ref u8 [U, 256], meta_ref u32 [Hkv, P, 2, 2];
     else: k_pages_ref, v_pages_ref bf16 [Hkv, P, 16, D];
     o_ref: f32 [B, Hkv, splits, D, 8] (O^T; columns >= G unused);
@@ -133,10 +141,10 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   nb = head_dim // 32
   kvh, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
   wg = lax.axis_index("wg")
-  (q_smem, k_smem, v_smem, byte_smem, tail_smem, info_smem, chunk_smem, pt_smem, o_smem, lse_smem), (
+  (q_smem, k_smem, v_smem, byte_smem, info_smem, chunk_smem, pt_smem, o_smem, lse_smem), (
       q_bar, load_bars, consumed_bars) = scoped
   in_registers = compressed and not interpret  # restore straight into wgmma A fragments
-  tails_in_tiles = not in_registers  # else the tail page lands in `tail_smem`
+  tails_in_tiles = not in_registers  # else the tail page lands in its slot of the byte stage
 
   length = lengths_ref[b]
   full_pages = length // PAGE_SIZE
@@ -169,12 +177,12 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
         return acc, m_i, l_rows
       infos = slot_infos(stage)
       if in_registers:
-        operands = (byte_smem.at[stage], tail_smem.at[stage])
-        k = _inline(R.restore_k, (_BYTES, _BYTES), operands, infos, head_dim, (STEP_TOKENS, head_dim))
+        operands = (byte_smem.at[stage],)
+        k = _inline(R.restore_k, (_BYTES,), operands, infos, head_dim, (STEP_TOKENS, head_dim))
 
         def qk(acc_ref):  # V^T is restored while S^T = K Q^T runs
           plgpu.wgmma(acc_ref, k, q_t)
-          vt = _inline(R.restore_vt, (_BYTES, _BYTES), operands, infos, head_dim, (head_dim, STEP_TOKENS))
+          vt = _inline(R.restore_vt, (_BYTES,), operands, infos, head_dim, (head_dim, STEP_TOKENS))
           return acc_ref[...], vt
 
         s, v_operand = pl.run_scoped(qk, plgpu.ACC((STEP_TOKENS, QROWS), jnp.float32))
@@ -273,7 +281,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
         is_page, is_tail = slot_flags(s)
         rows = pl.ds(s * PAGE_SIZE, PAGE_SIZE)
         tail_ref, tile = ((k_tail_ref, k_smem), (v_tail_ref, v_smem))[kind]
-        tail_dst = tile.at[stage, rows] if tails_in_tiles else tail_smem.at[stage, kind]
+        tail_dst = tile.at[stage, rows] if tails_in_tiles else byte_smem.at[stage, kind, s]
         out = [(is_tail, tail_ref.at[b, kvh], tail_dst)]
         if compressed:  # the group's 3*nb-unit prefix and its n_raw raw units: one copy
           offset, n_raw = chunk_smem[local + s, 1 + 3 * kind], chunk_smem[local + s, 3 + 3 * kind]
@@ -360,7 +368,7 @@ def _one_copy_or_arrive(copies, barrier):
 
 
 _TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-_BYTES = plgpu.RefType()  # a plain SMEM ref (byte stage, tail buffer)
+_BYTES = plgpu.RefType()  # a plain SMEM ref (the byte stage)
 _TILE = plgpu.RefType(transforms=_TRANSFORMS)  # a [64, D] BF16 tile
 
 
@@ -382,7 +390,6 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
           None if in_registers else tile((stages, STEP_TOKENS, head_dim)),
           None if in_registers else tile((stages, STEP_TOKENS, head_dim)),
           plgpu.SMEM((stages, 2, STEP_PAGES, 4 * nb, R.UNIT), jnp.uint8) if cache.compressed else None,
-          plgpu.SMEM((stages, 2, PAGE_SIZE, head_dim), jnp.bfloat16) if in_registers else None,
           plgpu.SMEM((stages, STEP_PAGES, 3), jnp.int32),
           plgpu.SMEM((P.CHUNK_PAGES, P.ENTRY_WORDS), jnp.int32),
           tile((QROWS, STEP_TOKENS)),
@@ -395,6 +402,9 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
           plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       ),
   )
+  tails = (cache.k_tail, cache.v_tail)
+  if in_registers:  # the tail page's bytes as one byte-stage slot: [16, D] bf16 = [4 * nb, 256] u8
+    tails = tuple(lax.bitcast_convert_type(t, jnp.uint8).reshape(batch, kv_heads, 4 * nb, R.UNIT) for t in tails)
   if QROWS % group == 0 and (batch * q_heads) % QROWS == 0:
     q_rows, row_stride = q.reshape(batch * q_heads, head_dim), group  # free reshape
   else:  # e.g. 3 heads per KV head: pad each group to 8 rows so every 8-row TMA box is its own
@@ -422,7 +432,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
-  )(q_rows, cache.lengths, cache.page_table, cache.k_tail, cache.v_tail, *stores)
+  )(q_rows, cache.lengths, cache.page_table, *tails, *stores)
   out, lse2 = _combine(jnp.swapaxes(o, 3, 4)[:, :, :, :group], lse[:, :, :, 0, :group])
   out = out.reshape(batch, q_heads, head_dim).astype(jnp.bfloat16)
   if return_lse:
@@ -458,7 +468,7 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
       time. It runs un-jitted.
   """
   if config is None:
-    config = heuristic_config(cache.batch, cache.num_kv_heads, cache.max_pages)
+    config = heuristic_config(cache.batch, cache.num_kv_heads, cache.max_pages, cache.compressed)
   if _platform.resolve_interpret(interpret):
     return _decode_attention(q, cache, float(scale), config, bool(return_lse), interpret=True)
   return _decode_attention_jit(q, cache, float(scale), config, bool(return_lse))

@@ -19,8 +19,9 @@ A operands. Everything here is per-thread integer work on 32-bit words
 * K: warp w holds the 16 tokens of page slot w (rows 16w..16w+15 of K);
   V^T: warp w holds dims `64m + 16w + (0..15)` of every slot (M-group m).
 
-A slot holding the sequence's raw tail page (TMA-copied as BF16 into a plain
-`[2, 16, D]` SMEM buffer) is read from there; a slot past the sequence gives
+A slot holding the sequence's raw tail page has it TMA-copied as BF16 bytes, in
+natural `[16, D]` order, into its own byte-stage slot (a slot holds 4 * nb units =
+16 * D * 2 bytes, exactly one BF16 page), and reads it from there; a slot past the sequence gives
 zeros (masked probabilities are 0, and 0 * garbage could be NaN). Every branch
 is warp-uniform.
 """
@@ -194,33 +195,33 @@ def _fragments(words, shape):
   return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
 
-def _setup(byte_ref, tail_ref, infos):
+def _setup(byte_ref, infos):
   warp, lane = _thread()
   g, t = arith.shrui(lane, _c(2)), arith.andi(lane, _c(3))
   infos = [tuple(_scalar(x) for x in info) for info in infos]
-  return warp, lane, g, t, mu.memref_ptr(byte_ref), mu.memref_ptr(tail_ref), infos
+  return warp, lane, g, t, mu.memref_ptr(byte_ref), infos
 
 
-def restore_k(byte_ref, tail_ref, infos, *, head_dim):
+def restore_k(byte_ref, infos, *, head_dim):
   """K `[64 tokens, D]` of one step as a register A operand; warp w restores page slot w.
 
   Args:
-    byte_ref: memref uint8 [2 (K, V), 4 slots, 4 * nb units, 256], this step's groups.
-    tail_ref: memref bf16 [2 (K, V), 16, D], this step's tail page (if a slot holds it).
+    byte_ref: memref uint8 [2 (K, V), 4 slots, 4 * nb units, 256], this step's groups; a slot
+      flagged FLAG_TAIL holds the BF16 tail page `[16, D]` in natural order instead.
     infos: per slot (flags, k_word1, v_word1) i32 values (splat arrays).
   Returns: a bf16 [64, D] WGMMA-layout FragmentedArray (register i = 8j + 4c + pair).
   """
   nblocks = head_dim // 32
-  warp, lane, g, t, byte_ptr, tail_ptr, infos = _setup(byte_ref, tail_ref, infos)
+  warp, lane, g, t, byte_ptr, infos = _setup(byte_ref, infos)
   flags, kw1 = infos[0][0], infos[0][1]
   for s in range(1, PAGES_PER_STEP):
     is_s = _eq(warp, _c(s))
     flags = arith.select(is_s, infos[s][0], flags)
     kw1 = arith.select(is_s, infos[s][1], kw1)
   slot_bytes = 4 * nblocks * UNIT
+  slot_ptr = _gep(byte_ptr, arith.muli(warp, _c(slot_bytes)))  # kind 0 (K), slot w
 
   def from_bytes():
-    slot_ptr = _gep(byte_ptr, arith.muli(warp, _c(slot_bytes)))  # kind 0 (K), slot w
     starts = _block_starts(kw1, nblocks)
     words = []
     for j in range(nblocks):
@@ -231,13 +232,13 @@ def restore_k(byte_ref, tail_ref, infos, *, head_dim):
 
   def from_tail():  # pair (h, e) of fragment (j, c): token g + 8h, dims 32j + 16c + 8e + 2t (+1)
     base = arith.addi(arith.muli(g, _c(2 * head_dim)), arith.shli(t, _c(2)))
-    return [_load32(tail_ptr, arith.addi(base, _c(2 * (8 * h * head_dim + 32 * j + 16 * c + 8 * e))))
+    return [_load32(slot_ptr, arith.addi(base, _c(2 * (8 * h * head_dim + 32 * j + 16 * c + 8 * e))))
             for j in range(nblocks) for c in range(2) for e in range(2) for h in range(2)]
 
   return _fragments(_select_slots([(flags, from_bytes(), from_tail)]), (4 * PAGE, head_dim))
 
 
-def restore_vt(byte_ref, tail_ref, infos, *, head_dim):
+def restore_vt(byte_ref, infos, *, head_dim):
   """V^T `[D, 64 tokens]` of one step as a register A operand (see `restore_k` for the args).
 
   Warp w of M-group m holds dims 64m + 16w + (0..15): block j = 2m + w // 2, tile c = w % 2 of
@@ -245,15 +246,16 @@ def restore_vt(byte_ref, tail_ref, infos, *, head_dim):
   """
   nblocks = head_dim // 32
   groups = head_dim // 64
-  warp, lane, g, t, byte_ptr, tail_ptr, infos = _setup(byte_ref, tail_ref, infos)
+  warp, lane, g, t, byte_ptr, infos = _setup(byte_ref, infos)
   frag = arith.addi(lane, arith.shli(arith.andi(warp, _c(1)), _c(5)))  # 32c + lane
   slot_bytes = 4 * nblocks * UNIT
   per_slot = []
   for s in range(PAGES_PER_STEP):
     flags, _, vw1 = infos[s]
 
-    def from_bytes(s=s, vw1=vw1):
-      slot_ptr = _gep(byte_ptr, _c((PAGES_PER_STEP + s) * slot_bytes))  # kind 1 (V), slot s
+    slot_ptr = _gep(byte_ptr, _c((PAGES_PER_STEP + s) * slot_bytes))  # kind 1 (V), slot s
+
+    def from_bytes(slot_ptr=slot_ptr, vw1=vw1):
       starts = _block_starts(vw1, nblocks)
       words = []
       for m in range(groups):
@@ -266,8 +268,7 @@ def restore_vt(byte_ref, tail_ref, infos, *, head_dim):
         words += _decode_fragment(_gep(slot_ptr, arith.muli(start, _c(UNIT))), frag, hb)
       return words
 
-    def from_tail():  # pair (h, e): dim 64m + 16w + g + 8h, tokens 8e + 2t + (0, 1)
-      v_tail = _gep(tail_ptr, _c(PAGE * head_dim * 2))
+    def from_tail(v_tail=slot_ptr):  # pair (h, e): dim 64m + 16w + g + 8h, tokens 8e + 2t + (0, 1)
       base = arith.addi(arith.shli(arith.addi(arith.shli(warp, _c(4)), g), _c(1)),
                         arith.muli(t, _c(4 * head_dim)))
       words = []

@@ -155,6 +155,8 @@ def test_heuristic_fills_the_gpu_without_tiny_splits(batch, kv_heads, max_pages,
   assert cfg.splits == splits
   steps_per_split = -(-max_pages // da.STEP_PAGES) / cfg.splits
   assert cfg.splits == 1 or steps_per_split >= 4
+  compressed = da.heuristic_config(batch, kv_heads, max_pages, compressed=True)
+  assert (cfg.stages, compressed.stages, compressed.splits) == (2, 3, splits)  # deeper ring for smaller copies
 
 
 def test_config_validates():
