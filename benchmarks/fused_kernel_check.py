@@ -32,7 +32,11 @@ TOL = 2e-2  # |out - reference| for O(1) outputs: bf16 P and output rounding
 PATHS = ("compressed", "uncompressed")
 
 
-def case(key, batch, seq, kv_heads, group, head_dim, lengths, splits):
+KNOB_SETS = (("", {}), ("_stages3", {"stages": 3}), ("_stages4", {"stages": 4}),
+             ("_thread_issue", {"warp_issue": False}), ("_cr168", {"consumer_registers": 168}))
+
+
+def case(key, batch, seq, kv_heads, group, head_dim, lengths, splits, knob_sets=KNOB_SETS):
   kk, kv, kq = jax.random.split(key, 3)
   k = jax.random.normal(kk, (batch, seq, kv_heads, head_dim), jnp.bfloat16)
   v = jax.random.normal(kv, (batch, seq, kv_heads, head_dim), jnp.bfloat16)
@@ -45,12 +49,8 @@ def case(key, batch, seq, kv_heads, group, head_dim, lengths, splits):
   scale = 1.0 / np.sqrt(head_dim)
   ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
   outs, failures = {}, []
-  variants = (("compressed", comp, {}), ("compressed_stages4", comp, {"stages": 4}),
-              ("compressed_warp_issue", comp, {"warp_issue": True}),
-              ("uncompressed", plain, {}), ("uncompressed_stages4", plain, {"stages": 4}),
-              ("uncompressed_warp_issue", plain, {"warp_issue": True}),
-              ("compressed_warp_issue_cr0", comp, {"warp_issue": True, "consumer_registers": 0}),
-              ("uncompressed_warp_issue_cr0", plain, {"warp_issue": True, "consumer_registers": 0}))
+  variants = [(path + suffix, cache, knobs) for path, cache in (("compressed", comp), ("uncompressed", plain))
+              for suffix, knobs in knob_sets]
   err = 0.0
   for name, cache, knobs in variants:
     if name.split("_")[0] not in PATHS:
@@ -93,13 +93,24 @@ CASES = [
 ]
 
 
-def correctness(only=None):
+def sweep_knob_sets(sweep):
+  """The correctness knob sets of a --sweep: the defaults, then each distinct knob dict less
+  `splits` (the cases fix their own) and timing probes (their outputs are garbage)."""
+  sets = {"": {}}
+  for knobs in sweep:
+    if not knobs.get("timing_probe"):
+      knobs = {n: x for n, x in knobs.items() if n != "splits"}
+      sets.setdefault("".join(f"_{n}{x}" for n, x in sorted(knobs.items())), knobs)
+  return tuple(sets.items())
+
+
+def correctness(only=None, knob_sets=KNOB_SETS):
   results = []
   for i, c in enumerate(CASES):
     if only is not None and i != only:
       continue
     try:
-      err = case(jax.random.key(i), *c)
+      err = case(jax.random.key(i), *c, knob_sets=knob_sets)
       results.append(dict(case=str(c), ok=True, err=err))
       print(f"PASS {c} err={err:.2e}", flush=True)
     except Exception as e:  # report every case, keep going
@@ -162,11 +173,12 @@ def main(argv=None):
   global PATHS
   PATHS = tuple(a.paths.split(","))
   res = dict(device=jax.devices()[0].device_kind, date=datetime.date.today().isoformat())
+  sweep = json.loads(a.sweep) if a.sweep else None
   if not a.skip_correctness:
-    res["correctness"] = correctness(a.only)
+    knob_sets = KNOB_SETS if sweep is None else sweep_knob_sets(sweep)
+    res["correctness"] = correctness(a.only, knob_sets)
   shapes = [(32, 2048), (8, 8192)] if a.quick else [(32, 2048), (8, 8192), (64, 4096), (1, 32768), (128, 1024)]
   if not a.skip_timing:
-    sweep = json.loads(a.sweep) if a.sweep else None
     res["timing"] = timing(shapes, [1, 2, 4], lean=a.lean, sweep=sweep)
   if a.out:
     pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
