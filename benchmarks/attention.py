@@ -143,10 +143,12 @@ def main(argv=None):
     rows += r
     data.append(d)
     print(d, flush=True)
-  result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(), rows=rows, data=data)
-  if args.out:
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
+                  rows=rows, data=data)
+    if args.out:  # after every shape: a later failure or time-out keeps what was measured
+      pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+      pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+  return result
 
 
 if __name__ == "__main__":
