@@ -47,25 +47,31 @@ def numpy_block_rule(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return (e.max(axis=-1) <= b + 15), b // 2
 
 
-SLOT_UNITS = {0xFF: 4, 0xFE: 0}  # raw, absent; b/2 values 0..127 take 3 units
+SLOT_UNITS = {0xFF: 4, 0xFE: 0}  # raw, absent; b/2 values 0..127 (and version 2's 0x80 | b/2) take 3 units
 
 
 def numpy_decode(payload: np.ndarray, group_meta: np.ndarray, blocks) -> np.ndarray:
   """Decode the given block indices of CompressedBlocks arrays to uint16 [len(blocks), 512].
 
   Written from the words of docs/FORMAT.md with byte-level numpy, sharing no
-  code with the package: little-endian metadata words, version in bits 31..30,
-  offsets in 256-byte units, slot sizes summed within the group.
+  code with the package: little-endian metadata words (records of 8 bytes, or 16 for
+  [G, 4] metadata), version in bits 31..30, offsets in 256-byte units, slot sizes summed
+  within the group; version 2: slot byte 0x80 | b/2 flags an exception whose 16-bit entry
+  (bytes 8 + 2k) is position | (exponent >> 1) << 9.
   """
   blocks = list(blocks)
   out = np.zeros((len(blocks), 512), np.uint16)
-  meta_le = np.asarray(group_meta).astype("<u4").tobytes()
+  group_meta = np.asarray(group_meta)
+  stride = 4 * group_meta.shape[1]
+  meta_le = group_meta.astype("<u4").tobytes()
   payload = np.asarray(payload)
   for row, blk in enumerate(blocks):
     g, slot = divmod(blk, 4)
-    word0 = int.from_bytes(meta_le[8 * g : 8 * g + 4], "little")
-    slots = meta_le[8 * g + 4 : 8 * g + 8]
-    assert word0 >> 30 == 1
+    record = meta_le[stride * g : stride * (g + 1)]
+    word0 = int.from_bytes(record[:4], "little")
+    slots = record[4:8]
+    version = word0 >> 30
+    assert version == 1 or (version == 2 and stride == 16)
     start = (word0 & ((1 << 30) - 1)) * 256
     for k in range(slot):
       start += 256 * SLOT_UNITS.get(slots[k], 3)
@@ -74,11 +80,16 @@ def numpy_decode(payload: np.ndarray, group_meta: np.ndarray, blocks) -> np.ndar
     if m == 0xFF:
       high = payload[start + 512 : start + 1024].astype(np.uint16)
     else:
+      hb = m & 0x7F
       codes = payload[start + 512 : start + 768].astype(np.uint16)
       high = np.zeros(512, np.uint16)
       q = np.arange(256)
       x = 8 * (q // 4) + q % 4
-      high[x] = ((codes >> 7) << 7) | ((codes & 7) + m)
-      high[x + 4] = (((codes >> 3) & 1) << 7) | (((codes >> 4) & 7) + m)
+      high[x] = ((codes >> 7) << 7) | ((codes & 7) + hb)
+      high[x + 4] = (((codes >> 3) & 1) << 7) | (((codes >> 4) & 7) + hb)
+      if version == 2 and m & 0x80:
+        entry = int.from_bytes(record[8 + 2 * slot : 10 + 2 * slot], "little")
+        p = entry & 0x1FF
+        high[p] = (high[p] & 0x80) | (entry >> 9)
     out[row] = (high << 8) | low
   return out

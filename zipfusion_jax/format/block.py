@@ -16,6 +16,12 @@ where d = (exponent >> 1) - half_base. Restoring the high byte is then
   high(x) = (c & 0x87) + half_base
   high(y) = (((c >> 4) & 0x07) | ((c << 4) & 0x80)) + half_base
 on four bytes at a time in a 32-bit word; the add never carries out of a byte.
+
+Version 2 adds one exception per block: a block whose exponents fit the window
+once its single largest (or smallest) value is set aside is stored in 12 bits
+too; that value keeps its low byte and sign in place, with d = 0, and its
+`exponent >> 1` and position travel in the group metadata (a 16-bit entry per
+slot: position | (exponent >> 1) << 9). Its slot byte is 0x80 | b/2 (b/2 <= 125).
 """
 
 from __future__ import annotations
@@ -31,15 +37,20 @@ CODE_PLANE_BYTES = 256
 COMPRESSED_UNITS = 3  # 768 bytes
 RAW_UNITS = 4  # 1024 bytes
 ROW_BYTES = RAW_UNITS * UNIT_BYTES
-GROUP_META_BYTES = 8
+GROUP_META_BYTES = 8  # version 1: offset word + slot-byte word
+GROUP_META_BYTES_V2 = 16  # version 2: + two words of 16-bit exception entries
 
 # Per-block metadata byte.
 MAX_HALF_BASE = 127  # 0..127: compressed, the byte is b/2
+META_EXCEPTION = 0x80  # version 2: 0x80 | b/2 (b/2 <= 125), compressed with one exception
+MAX_EXCEPTION_META = 0xFD
 META_RAW = 0xFF
 META_ABSENT = 0xFE  # slot past the last block of a partial group
+POSITION_BITS = 9  # exception entry: position (bits 0..8) | exponent >> 1 (bits 9..15)
 
 # Group offset word: bits 31..30 version, bits 29..0 offset in 256-byte units.
 FORMAT_VERSION = 1
+FORMAT_VERSIONS = (1, 2)
 VERSION_SHIFT = 30
 OFFSET_MASK = (1 << VERSION_SHIFT) - 1
 
@@ -73,10 +84,49 @@ def block_meta_byte(eligible: jnp.ndarray, half_base: jnp.ndarray) -> jnp.ndarra
   return jnp.where(eligible, half_base, META_RAW)
 
 
+def block_rule_v2(bits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """The version-2 rule: the version-1 window, else the window with one value set aside.
+
+  Args:
+    bits: uint16 [..., 512], BF16 bit patterns of whole blocks.
+
+  Returns:
+    (meta_byte, exception): int32 [...] each. `meta_byte` is b/2 (no exception), 0x80 | b/2
+    (one exception, b/2 <= 125) or META_RAW. `exception` is the 16-bit entry
+    `position | (exponent >> 1) << 9` of the set-aside value, 0 when there is none.
+    Set aside is the largest value (first position of the largest exponent) when the rest
+    fit, else the smallest (first position of the smallest exponent).
+  """
+  e = exponents(bits)
+  top2 = lax.top_k(e, 2)[0]
+  low2 = -lax.top_k(-e, 2)[0]
+  fits = lambda lo, hi: hi - (lo & ~1) < EXPONENT_WINDOW
+  plain = fits(low2[..., 0], top2[..., 0])
+  drop_top = fits(low2[..., 0], top2[..., 1]) & ((low2[..., 0] >> 1) <= MAX_EXCEPTION_META - META_EXCEPTION)
+  drop_low = fits(low2[..., 1], top2[..., 0]) & ((low2[..., 1] >> 1) <= MAX_EXCEPTION_META - META_EXCEPTION)
+  position = jnp.where(drop_top, jnp.argmax(e, axis=-1), jnp.argmin(e, axis=-1)).astype(jnp.int32)
+  set_aside = jnp.take_along_axis(e, position[..., None], axis=-1)[..., 0]
+  half_base = jnp.where(plain | drop_top, low2[..., 0], low2[..., 1]) >> 1
+  has_exception = ~plain & (drop_top | drop_low)
+  meta = jnp.where(plain, half_base, jnp.where(has_exception, META_EXCEPTION | half_base, META_RAW))
+  exception = jnp.where(has_exception, position | (set_aside >> 1) << POSITION_BITS, 0)
+  return meta.astype(jnp.int32), exception.astype(jnp.int32)
+
+
+def is_compressed(meta_byte: jnp.ndarray) -> jnp.ndarray:
+  """Slots stored in 12 bits: b/2, or (version 2) 0x80 | b/2 with one exception."""
+  return meta_byte <= MAX_EXCEPTION_META
+
+
+def half_base_of(meta_byte: jnp.ndarray) -> jnp.ndarray:
+  """b/2 of a compressed slot's byte (either version); 0 for raw and absent slots."""
+  return jnp.where(is_compressed(meta_byte), meta_byte & MAX_HALF_BASE, 0)
+
+
 def block_units(meta_byte: jnp.ndarray) -> jnp.ndarray:
   """Stored size in 256-byte units of each block slot (0 for absent slots)."""
   return jnp.where(
-      meta_byte <= MAX_HALF_BASE,
+      is_compressed(meta_byte),
       COMPRESSED_UNITS,
       jnp.where(meta_byte == META_RAW, RAW_UNITS, 0),
   ).astype(jnp.int32)
@@ -115,34 +165,49 @@ def decode_codes(codes: jnp.ndarray, half_base: jnp.ndarray) -> jnp.ndarray:
   return both.reshape(*lead, VALUES_PER_BLOCK)
 
 
-def encode_rows(bits: jnp.ndarray, meta_byte: jnp.ndarray) -> jnp.ndarray:
+def _exception_slot(exception: jnp.ndarray, meta_byte: jnp.ndarray) -> jnp.ndarray:
+  """bool [..., 512]: the position of each block's exception (none where the byte has no flag)."""
+  flagged = is_compressed(meta_byte) & (meta_byte > MAX_HALF_BASE)
+  position = exception & ((1 << POSITION_BITS) - 1)
+  return flagged[..., None] & (jnp.arange(VALUES_PER_BLOCK, dtype=jnp.int32) == position[..., None])
+
+
+def encode_rows(bits: jnp.ndarray, meta_byte: jnp.ndarray, exception: jnp.ndarray | None = None) -> jnp.ndarray:
   """Encode blocks into fixed 1024-byte rows (stored prefix = block_units).
 
   Args:
     bits: uint16 [..., 512].
-    meta_byte: int32 [...] from `block_meta_byte`.
+    meta_byte: int32 [...] from `block_meta_byte` or `block_rule_v2`.
+    exception: int32 [...] entries from `block_rule_v2` (version 2), or None.
 
   Returns:
-    uint8 [..., 1024].
+    uint8 [..., 1024]. An exception keeps its low byte and sign; its d is 0.
   """
   b = bits.astype(jnp.int32)
   low, high = b & 0xFF, b >> 8
-  eligible = (meta_byte <= MAX_HALF_BASE)[..., None]
-  codes = encode_codes(high, jnp.where(eligible[..., 0], meta_byte, 0))
+  eligible = is_compressed(meta_byte)[..., None]
+  half_base = half_base_of(meta_byte)
+  if exception is not None:
+    high = jnp.where(_exception_slot(exception, meta_byte), (high & 0x80) | half_base[..., None], high)
+  codes = encode_codes(high, half_base)
   codes = jnp.concatenate([codes, jnp.zeros_like(codes)], axis=-1)
   second = jnp.where(eligible, codes, high)
   return jnp.concatenate([low, second], axis=-1).astype(jnp.uint8)
 
 
-def decode_rows(rows: jnp.ndarray, meta_byte: jnp.ndarray) -> jnp.ndarray:
-  """Inverse of `encode_rows`: uint8 [..., 1024] + meta -> uint16 [..., 512].
+def decode_rows(rows: jnp.ndarray, meta_byte: jnp.ndarray, exception: jnp.ndarray | None = None) -> jnp.ndarray:
+  """Inverse of `encode_rows`: uint8 [..., 1024] + meta (+ exception entries) -> uint16 [..., 512].
 
-  Bytes past a block's stored size are ignored. Absent slots decode to 0.
+  Bytes past a block's stored size are ignored. Absent slots decode to 0. A version-2
+  exception's high byte is its stored sign with the entry's `exponent >> 1`.
   """
   r = rows.astype(jnp.int32)
   low, second = r[..., :LOW_PLANE_BYTES], r[..., LOW_PLANE_BYTES:]
-  eligible = meta_byte <= MAX_HALF_BASE
-  restored = decode_codes(second[..., :CODE_PLANE_BYTES], jnp.where(eligible, meta_byte, 0))
+  eligible = is_compressed(meta_byte)
+  restored = decode_codes(second[..., :CODE_PLANE_BYTES], half_base_of(meta_byte))
+  if exception is not None:
+    patched = (restored & 0x80) | ((exception >> POSITION_BITS) & MAX_HALF_BASE)[..., None]
+    restored = jnp.where(_exception_slot(exception, meta_byte), patched, restored)
   high = jnp.where(eligible[..., None], restored, second)
   return ((high << 8) | low).astype(jnp.uint16)
 

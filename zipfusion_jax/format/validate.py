@@ -13,41 +13,52 @@ class FormatError(ValueError):
 
 
 def _units(meta_bytes: np.ndarray) -> np.ndarray:
-  return np.where(
-      meta_bytes <= B.MAX_HALF_BASE, B.COMPRESSED_UNITS, np.where(meta_bytes == B.META_RAW, B.RAW_UNITS, 0)
-  )
+  return np.asarray(B.block_units(meta_bytes.astype(np.int32)))
 
 
 def validate(c: CompressedBlocks) -> CompressedBlocks:
   """Check every structural invariant of `c`; return it unchanged or raise FormatError.
 
-  Checks: metadata shape and dtype; version field; per-block bytes are b/2
-  (0..127), raw or absent, with absent slots exactly past the last block;
-  every group lies inside the payload and inside `payload_units`; groups do
-  not overlap; `payload_units` equals the sum of the stored sizes.
+  Checks: metadata shape and dtype ([G, 2], or [G, 4] for version-2 records); version field
+  (1, or 2 in [G, 4] metadata); per-block bytes are b/2 (0..127), in version 2 also 0x80 | b/2
+  (0x80..0xFD), raw or absent, with absent slots exactly past the last block; exception
+  entries zero where a slot has none; every group lies inside the payload and inside
+  `payload_units`; groups do not overlap; `payload_units` equals the sum of the stored sizes.
   """
   meta = np.asarray(c.group_meta)
   payload_len = int(np.asarray(c.payload).shape[0])
   units_used = int(np.asarray(c.payload_units))
   n, groups = c.num_blocks, -(-c.num_blocks // B.BLOCKS_PER_GROUP)
-  if meta.dtype != np.uint32 or meta.shape != (groups, 2):
-    raise FormatError(f"group_meta must be uint32 [{groups}, 2] for {n} blocks, got {meta.dtype} {meta.shape}")
+  if meta.dtype != np.uint32 or meta.shape not in ((groups, 2), (groups, 4)):
+    raise FormatError(f"group_meta must be uint32 [{groups}, 2] or [{groups}, 4] for {n} blocks, "
+                      f"got {meta.dtype} {meta.shape}")
   if groups == 0:
     if units_used != 0:
       raise FormatError(f"no blocks but {units_used=}")
     return c
   version = meta[:, 0] >> B.VERSION_SHIFT
-  if np.any(version != B.FORMAT_VERSION):
-    g = int(np.argmax(version != B.FORMAT_VERSION))
-    raise FormatError(f"group {g}: unsupported format version {int(version[g])} (expected {B.FORMAT_VERSION})")
+  known = (1, 2) if meta.shape[1] == 4 else (1,)
+  if np.any(~np.isin(version, known)):
+    g = int(np.argmax(~np.isin(version, known)))
+    raise FormatError(f"group {g}: unsupported format version {int(version[g])} in [G, {meta.shape[1]}] "
+                      f"metadata (expected one of {known})")
   slot_bytes = (meta[:, 1:2] >> (np.arange(4, dtype=np.uint32) * 8)) & 0xFF
   present = np.arange(groups * B.BLOCKS_PER_GROUP).reshape(groups, B.BLOCKS_PER_GROUP) < n
-  valid_present = (slot_bytes <= B.MAX_HALF_BASE) | (slot_bytes == B.META_RAW)
+  v2 = (version == 2)[:, None]
+  flagged = (slot_bytes >= B.META_EXCEPTION) & (slot_bytes <= B.MAX_EXCEPTION_META)
+  valid_present = (slot_bytes <= B.MAX_HALF_BASE) | (slot_bytes == B.META_RAW) | (v2 & flagged)
   bad = np.where(present, ~valid_present, slot_bytes != B.META_ABSENT)
   if np.any(bad):
     g, k = map(int, np.argwhere(bad)[0])
-    what = "b/2 (0..127) or raw (0xFF)" if present[g, k] else "absent (0xFE)"
+    what = ("b/2 (0..127), 0x80 | b/2 (0x80..0xFD)" if v2[g, 0] else "b/2 (0..127)") + " or raw (0xFF)"
+    what = what if present[g, k] else "absent (0xFE)"
     raise FormatError(f"group {g} slot {k}: metadata byte {int(slot_bytes[g, k]):#04x}, expected {what}")
+  if meta.shape[1] == 4:
+    entries = np.stack([meta[:, 2] & 0xFFFF, meta[:, 2] >> 16, meta[:, 3] & 0xFFFF, meta[:, 3] >> 16], axis=1)
+    stray = (entries != 0) & ~(v2 & flagged)
+    if np.any(stray):
+      g, k = map(int, np.argwhere(stray)[0])
+      raise FormatError(f"group {g} slot {k}: exception entry {int(entries[g, k]):#06x} on a slot without one")
   start = (meta[:, 0] & B.OFFSET_MASK).astype(np.int64)
   end = start + _units(slot_bytes).sum(axis=1)
   limit = min(units_used, payload_len // B.UNIT_BYTES)

@@ -1,0 +1,198 @@
+"""Format version 2 (one exception per block, docs/FORMAT.md §9): reference codec, validation, density.
+
+Exhaustive: version 2 on both version-1 pattern sets, and every BF16 pattern as the one
+out-of-window value of a block at a rotating position. Then one and two outliers, ±0 in every
+slot, the b/2 limit of a flagged slot, version-1 and version-2 groups in one metadata array,
+corrupted version-2 metadata, hypothesis pages, and jit / no-jit agreement.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import numpy as np
+import pytest
+from hypothesis import given
+from test_properties import blocks as random_blocks
+
+import zipfusion_jax as zf
+from bf16_patterns import ALL_PATTERNS, as_bf16, numpy_decode
+from zipfusion_jax.format import block as B
+from zipfusion_jax.format.codec import CompressedBlocks
+
+BACKGROUND_MIN_EXP = 112  # background blocks span exponents 112..127 (b = 112, b/2 = 56)
+
+
+def background(rng: np.random.Generator, n: int) -> np.ndarray:
+  """uint16 [n, 512]: blocks spanning exactly the window [112, 127], random signs and fractions."""
+  e = rng.integers(BACKGROUND_MIN_EXP, BACKGROUND_MIN_EXP + 16, (n, 512))
+  e[:, 1], e[:, 2] = BACKGROUND_MIN_EXP, BACKGROUND_MIN_EXP + 15
+  return ((rng.integers(0, 2, (n, 512)) << 15) | (e << 7) | rng.integers(0, 128, (n, 512))).astype(np.uint16)
+
+
+def round_trip(bits: np.ndarray, version: int = 2) -> CompressedBlocks:
+  c = zf.compress(as_bf16(bits), version=version)
+  zf.validate(c)
+  np.testing.assert_array_equal(np.asarray(zf.decompress(c)).view(np.uint16), bits)
+  return c
+
+
+def exception_entries(c: CompressedBlocks) -> np.ndarray:
+  return np.asarray(c.exceptions).reshape(-1)[: c.num_blocks]
+
+
+def slot_bytes(c: CompressedBlocks) -> np.ndarray:
+  return np.asarray(c.meta_bytes).reshape(-1)[: c.num_blocks]
+
+
+@pytest.mark.parametrize("which", ["eligible_rotations", "raw_rotations"])
+def test_version_1_pattern_sets_give_version_1_decisions(which, request):
+  bits = request.getfixturevalue(which)
+  v1, v2 = zf.compress(as_bf16(bits)), round_trip(bits)
+  chex.assert_shape(v2.group_meta, (bits.shape[0] // 4, 4))
+  # No block of either set has exactly one out-of-window value: same slots, same payload, no entries.
+  np.testing.assert_array_equal(np.asarray(v2.group_meta[:, 1]), np.asarray(v1.group_meta[:, 1]))
+  np.testing.assert_array_equal(np.asarray(v2.payload), np.asarray(v1.payload))
+  assert not np.any(np.asarray(v2.group_meta[:, 2:]))
+  assert np.asarray(v2.group_meta[:, 0] >> B.VERSION_SHIFT).tolist() == [2] * (bits.shape[0] // 4)
+  assert v2.nbytes == v1.nbytes + 8 * v1.num_groups  # 16-byte records
+
+
+def test_every_pattern_as_the_exception_at_every_position_round_trips():
+  """65,536 blocks: pattern i at position i % 512 on an in-window background."""
+  rng = np.random.default_rng(7)
+  bits = background(rng, ALL_PATTERNS.size)
+  rows, position = np.arange(ALL_PATTERNS.size), np.arange(ALL_PATTERNS.size) % 512
+  position = np.where(np.isin(position, (1, 2)), 0, position)  # keep both window ends in the background
+  bits[rows, position] = ALL_PATTERNS
+  c = round_trip(bits)
+  assert bool(np.all(np.asarray(c.compressible)))  # every pattern fits the window or is the exception
+  exponent = (ALL_PATTERNS.astype(np.int32) >> 7) & 0xFF
+  outside = (exponent < BACKGROUND_MIN_EXP) | (exponent > BACKGROUND_MIN_EXP + 15)
+  meta, entries = slot_bytes(c), exception_entries(c)
+  np.testing.assert_array_equal(meta, np.where(outside, 0x80 | 56, 56))
+  np.testing.assert_array_equal(entries, np.where(outside, position | (exponent >> 1) << 9, 0))
+  sample = np.arange(0, bits.shape[0], 331)
+  np.testing.assert_array_equal(numpy_decode(c.payload, c.group_meta, sample), bits[sample])
+
+
+@pytest.mark.parametrize("variant", ["jit", "nojit"])
+def test_one_outlier_above_or_below_and_two_outliers(variant):
+  rng = np.random.default_rng(3)
+  bits = background(rng, 6)
+  bits[0, 100] = 0x7F80  # +Inf: the largest value is set aside, b stays 112
+  bits[1, 300] = 0x0001  # a subnormal: the smallest is set aside, b = 112 from the next smallest
+  bits[2, 5], bits[2, 6] = 0x7F80, 0x7F81  # two above: raw
+  bits[3, 7], bits[3, 400] = 0x7F80, 0x0001  # one above, one below: raw
+  bits[4, 9] = 0x4F00  # exponent 158, fraction 0: just one value far above
+  compress = jax.jit(lambda x: zf.compress(x, version=2)) if variant == "jit" else (lambda x: zf.compress(x, version=2))
+  c = compress(as_bf16(bits))
+  zf.validate(c)
+  np.testing.assert_array_equal(np.asarray(zf.decompress(c)).view(np.uint16), bits)
+  assert slot_bytes(c).tolist() == [0x80 | 56, 0x80 | 56, B.META_RAW, B.META_RAW, 0x80 | 56, 56]
+  assert exception_entries(c).tolist() == [100 | 127 << 9, 300 | 0 << 9, 0, 0, 9 | 79 << 9, 0]
+  assert int(c.payload_units) == 4 * 3 + 2 * 4  # four blocks in 12 bits, two raw
+  v1 = zf.compress(as_bf16(bits))
+  assert np.asarray(v1.compressible).tolist() == [False, False, False, False, False, True]
+
+
+def test_signed_zero_in_every_slot_is_the_exception_and_two_zeros_are_raw():
+  rng = np.random.default_rng(5)
+  bits = background(rng, 1024)
+  p = np.arange(512)
+  bits[p, p] = 0x0000
+  bits[512 + p, p] = 0x8000
+  c = round_trip(bits)
+  assert bool(np.all(np.asarray(c.compressible)))
+  entries = exception_entries(c)
+  np.testing.assert_array_equal(entries & 0x1FF, np.concatenate([p, p]))
+  assert not np.any(entries >> 9)  # the set-aside exponent is 0
+  two = background(rng, 2)
+  two[0, [10, 20]] = 0x0000
+  two[1, [10, 20]] = (0x8000, 0x0000)
+  c = round_trip(two)
+  assert slot_bytes(c).tolist() == [B.META_RAW, B.META_RAW]
+
+
+def test_flagged_slots_stop_at_half_base_125():
+  """0x80 | b/2 must stay below the absent and raw markers: b/2 126, 127 with an exception go raw."""
+  bits = np.full((3, 512), 0x7E80, np.uint16)  # exponent 253
+  bits[0, 0], bits[1, 0], bits[2, 0] = 0x0001, 0x0001, 0x0001
+  bits[0, 1:], bits[2, 1:] = 0x7D00, 0x7C00  # exponent 250 (b/2 125) and 248 (b/2 124)
+  bits[0, 2:] = 0x7E80
+  c = round_trip(bits)
+  assert slot_bytes(c).tolist() == [0x80 | 125, B.META_RAW, 0x80 | 124]
+
+
+def test_top_is_set_aside_when_either_end_would_do():
+  """Exponents 120 (once), 127, 137 (once): span 17; without 137 the window is [120, 127], without
+  120 it is [126, 137]. The rule sets the largest aside."""
+  bits = np.full((1, 512), 127 << 7, np.uint16)
+  bits[0, 0], bits[0, 1] = 120 << 7, 137 << 7
+  c = round_trip(bits)
+  assert slot_bytes(c).tolist() == [0x80 | 60] and exception_entries(c).tolist() == [1 | 68 << 9]
+
+
+def test_version_1_and_2_groups_share_one_metadata_array():
+  rng = np.random.default_rng(11)
+  bits = background(rng, 8)
+  bits[:, 17] = 0x7F80  # every block needs its exception in version 2
+  v1, v2 = zf.compress(as_bf16(bits[:4])), zf.compress(as_bf16(bits[4:]), version=2)
+  meta1 = np.concatenate([np.asarray(v1.group_meta), np.zeros((1, 2), np.uint32)], axis=1)
+  meta2 = np.asarray(v2.group_meta).copy()
+  units1 = int(v1.payload_units)
+  meta2[:, 0] += units1  # the version-2 group follows the version-1 group in one payload
+  payload = np.concatenate([np.asarray(v1.payload)[: units1 * 256], np.asarray(v2.payload)])
+  mixed = CompressedBlocks(jax.numpy.asarray(payload), jax.numpy.asarray(np.concatenate([meta1, meta2])),
+                           jax.numpy.int32(units1 + int(v2.payload_units)), (8,))
+  zf.validate(mixed)
+  np.testing.assert_array_equal(np.asarray(zf.decompress(mixed)).view(np.uint16), bits)
+  np.testing.assert_array_equal(numpy_decode(mixed.payload, mixed.group_meta, range(8)), bits)
+  assert np.asarray(mixed.compressible).tolist() == [False] * 4 + [True] * 4
+
+
+def test_corrupted_version_2_metadata_is_reported():
+  rng = np.random.default_rng(13)
+  bits = background(rng, 4)
+  bits[0, 9] = 0x7F80
+  c = zf.compress(as_bf16(bits), version=2)
+  meta = np.asarray(c.group_meta)
+
+  def with_meta(m):
+    return c.replace(group_meta=jax.numpy.asarray(m))
+
+  narrow = meta[:, :2]
+  with pytest.raises(zf.FormatError, match="version 2"):
+    zf.validate(with_meta(narrow))  # a version-2 record needs 16 bytes
+  stray = meta.copy()
+  stray[0, 3] = 5  # an entry on slot 2, which has no exception
+  with pytest.raises(zf.FormatError, match="slot 2: exception entry"):
+    zf.validate(with_meta(stray))
+  v1_flag = meta.copy()
+  v1_flag[0, 0] = (1 << 30) | (v1_flag[0, 0] & B.OFFSET_MASK)  # the flagged slot inside a version-1 group
+  with pytest.raises(zf.FormatError, match="slot 0: metadata byte 0xb8"):
+    zf.validate(with_meta(v1_flag))
+  v3 = meta.copy()
+  v3[0, 0] = (3 << 30) | (v3[0, 0] & B.OFFSET_MASK)
+  with pytest.raises(zf.FormatError, match="unsupported format version 3"):
+    zf.validate(with_meta(v3))
+  # Decoding corrupted metadata stays in bounds: the unknown-version group reads zero bytes
+  # (every stored low byte comes back 0; high bytes are then b/2 alone).
+  assert not np.any(np.asarray(zf.decompress(with_meta(v3))).view(np.uint16) & 0xFF)
+
+
+def test_api_refuses_unknown_versions_and_the_kernel_for_version_2():
+  x = as_bf16(np.zeros((4, 512), np.uint16))
+  with pytest.raises(ValueError, match="version=3"):
+    zf.compress(x, version=3)
+  with pytest.raises(NotImplementedError, match="version 1 only"):
+    zf.compress(x, impl="pallas", version=2)
+
+
+@given(random_blocks())
+def test_version_2_pages_round_trip_and_never_store_more_payload(bits):
+  c2, c1 = round_trip(bits), round_trip(bits, version=1)
+  assert int(c2.payload_units) <= int(c1.payload_units)
+  v1_ok = np.asarray(c1.compressible)
+  np.testing.assert_array_equal(slot_bytes(c2)[v1_ok], slot_bytes(c1)[v1_ok])  # version 1's choice where it had one
+  np.testing.assert_array_equal(numpy_decode(c2.payload, c2.group_meta, range(bits.shape[0])), bits)
