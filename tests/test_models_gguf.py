@@ -64,6 +64,8 @@ def test_kvstats_on_real_kv(smollm):
   assert rk.pages == 1 and rk.eligible_fraction.shape == (30, 3)
   assert 0.5 < rk.overall_eligible_fraction <= 1 and 12 <= rv.overall_bits_per_value < 16
   assert "K+V:" in format_reports(rk, rv)
+  rk2 = eligibility_report(k, "k", version=2)
+  assert rk2.version == 2 and np.all(rk2.eligible_fraction >= rk.eligible_fraction)  # one exception never hurts
 
 
 def test_corrupted_gguf_is_a_clear_error(tmp_path):

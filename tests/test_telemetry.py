@@ -58,3 +58,20 @@ def test_bad_inputs():
     zf.eligibility_report(np.zeros((1, 1, 15, 64), ml_dtypes.bfloat16), "v")
   with pytest.raises(ValueError, match="head_dim"):
     zf.eligibility_report(np.zeros((1, 1, 16, 80), ml_dtypes.bfloat16), "v")
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_version_2_report_matches_compress(kind):
+  x = _kv(head_dim=128, seed=7)
+  r1, r2 = zf.eligibility_report(x, kind), zf.eligibility_report(x, kind, version=2)
+  assert r2.version == 2 and np.all(r2.eligible_fraction >= r1.eligible_fraction)
+  pages, D = x.shape[2] // 16, x.shape[3]
+  perm = layout.page_permutation(kind, D)
+  for l in range(x.shape[0]):
+    for h in range(x.shape[1]):
+      blocks = x[l, h, : pages * 16].view(np.uint16).reshape(pages, 16 * D)[:, perm].reshape(-1, 512)
+      c = zf.compress(blocks.view(ml_dtypes.bfloat16), version=2)
+      assert r2.eligible_fraction[l, h] == pytest.approx(float(np.mean(c.compressible)))
+      assert r2.bits_per_value[l, h] == pytest.approx(c.nbytes * 8 / (pages * 16 * D))
+  with pytest.raises(ValueError, match="version"):
+    zf.eligibility_report(x, kind, version=3)

@@ -3,7 +3,8 @@
 Runs the embedded SmolLM2-135M-Instruct (or `--gguf PATH`) prefill over the text with fp32 RoPE, takes
 the RoPE'd K and the V of every layer and KV head from the dense reference cache, and reports per layer
 and head the share of 512-value blocks the 12-bit format stores compressed and the bits per value
-(`zipfusion_jax.eligibility_report`; complete 16-token pages only).
+(`zipfusion_jax.eligibility_report`; complete 16-token pages only), for format version 1, then the
+totals of version 2 (one exception per block).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def format_reports(k: EligibilityReport, v: EligibilityReport) -> str:
   return "\n".join(lines)
 
 
+def _as_json(r: EligibilityReport) -> dict:
+  return {"eligible_fraction": np.round(r.eligible_fraction, 6).tolist(),
+          "bits_per_value": np.round(r.bits_per_value, 6).tolist(), "pages": r.pages}
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m zipfusion_jax.kvstats", description=__doc__.split("\n")[0])
   p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to prefill")
@@ -75,16 +81,18 @@ def main(argv: list[str] | None = None) -> int:
       raise ValueError(f"{args.text}: {len(ids)} tokens hold no complete {PAGE_SIZE}-token page")
     k, v = prompt_kv(model.params, model.config, ids)
     reports = eligibility_report(k, "k"), eligibility_report(v, "v")
+    reports_v2 = eligibility_report(k, "k", version=2), eligibility_report(v, "v", version=2)
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"{model.config.name}: {len(ids)} tokens of {args.text}")
   print(format_reports(*reports))
+  print("format version 2 (one exception per block, 16-byte group records):")
+  print("\n".join(format_reports(*reports_v2).splitlines()[-3:]))
   if args.json:
     write_json_atomic(args.json, {
         "model": model.config.name, "tokens": len(ids),
-        **{r.kind: {"eligible_fraction": np.round(r.eligible_fraction, 6).tolist(),
-                    "bits_per_value": np.round(r.bits_per_value, 6).tolist(), "pages": r.pages} for r in reports},
+        **{r.kind: _as_json(r) for r in reports}, "version2": {r.kind: _as_json(r) for r in reports_v2},
     })
   return 0
 
