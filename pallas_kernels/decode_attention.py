@@ -467,6 +467,9 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
       path; P^T is stored with a jnp transpose; the metadata gather runs one entry at a
       time. It runs un-jitted.
   """
+  if cache.compressed and cache.format_version != 1:
+    raise NotImplementedError(f"the fused kernel reads format version 1 only, got version {cache.format_version}; "
+                              "use impl='reference' (or decompress_then_attend) for version-2 caches")
   if config is None:
     config = heuristic_config(cache.batch, cache.num_kv_heads, cache.max_pages, cache.compressed)
   if _platform.resolve_interpret(interpret):

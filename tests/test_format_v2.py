@@ -196,3 +196,32 @@ def test_version_2_pages_round_trip_and_never_store_more_payload(bits):
   v1_ok = np.asarray(c1.compressible)
   np.testing.assert_array_equal(slot_bytes(c2)[v1_ok], slot_bytes(c1)[v1_ok])  # version 1's choice where it had one
   np.testing.assert_array_equal(numpy_decode(c2.payload, c2.group_meta, range(bits.shape[0])), bits)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_cache_in_version_2_attends_like_version_1(head_dim):
+  """Outlier channels make many blocks need their exception; both versions restore the same pages and
+  give the same attention bits; version 2 stores fewer units; the fused kernel refuses version 2."""
+  rng = np.random.default_rng(head_dim)
+  batch, seq, kv_heads, group = 3, 100, 2, 3
+  k = rng.normal(size=(batch, seq, kv_heads, head_dim)).astype(np.float32)
+  v = rng.normal(size=(batch, seq, kv_heads, head_dim)).astype(np.float32)
+  k[:, ::7, :, 5] *= 3e4  # one outlier per 7 tokens in one channel: one per block of that channel's pages
+  k, v = (jax.numpy.asarray(x, jax.numpy.bfloat16) for x in (k, v))
+  q = jax.numpy.asarray(rng.normal(size=(batch, kv_heads * group, head_dim)), jax.numpy.bfloat16)
+  lengths = np.array([100, 37, 16], np.int32)
+  c1 = zf.paged_cache_from_dense(k, v, lengths)
+  c2 = zf.paged_cache_from_dense(k, v, lengths, version=2)
+  assert (c1.format_version, c2.format_version) == (1, 2)
+  chex.assert_shape(c2.group_meta, (kv_heads, c1.num_pages, 2, 4))
+  assert c2.arena.shape[0] < c1.arena.shape[0]
+  for a, b in zip(zf.restore_pages(c1), zf.restore_pages(c2)):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+  out1, out2 = (zf.paged_decode_attention(q, c, impl="reference") for c in (c1, c2))
+  np.testing.assert_array_equal(np.asarray(out1).view(np.uint16), np.asarray(out2).view(np.uint16))
+  dta = zf.decompress_then_attend(q, c2, impl="reference")
+  np.testing.assert_array_equal(np.asarray(dta).view(np.uint16), np.asarray(out1).view(np.uint16))
+  with pytest.raises(NotImplementedError, match="version 1 only"):
+    zf.paged_decode_attention(q, c2, impl="pallas")
+  with pytest.raises(ValueError, match="version"):
+    zf.paged_cache_from_dense(k, v, lengths, version=0)

@@ -97,19 +97,26 @@ def block_rule_v2(bits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     Set aside is the largest value (first position of the largest exponent) when the rest
     fit, else the smallest (first position of the smallest exponent).
   """
+  # Written with reductions, compares and selects only, so the compression kernel runs this
+  # very function on its tiles (as it runs `block_half_base` for version 1).
   e = exponents(bits)
-  top2 = lax.top_k(e, 2)[0]
-  low2 = -lax.top_k(-e, 2)[0]
+  position = lax.broadcasted_iota(jnp.int32, e.shape, e.ndim - 1)
+  hi1, lo1 = jnp.max(e, axis=-1), jnp.min(e, axis=-1)
+  at_hi, at_lo = e == hi1[..., None], e == lo1[..., None]
+  count = lambda m: jnp.sum(m.astype(jnp.int32), axis=-1)
+  hi2 = jnp.where(count(at_hi) > 1, hi1, jnp.max(jnp.where(at_hi, -1, e), axis=-1))  # second largest
+  lo2 = jnp.where(count(at_lo) > 1, lo1, jnp.min(jnp.where(at_lo, 256, e), axis=-1))  # second smallest
+  first = lambda m: jnp.min(jnp.where(m, position, VALUES_PER_BLOCK), axis=-1)
   fits = lambda lo, hi: hi - (lo & ~1) < EXPONENT_WINDOW
-  plain = fits(low2[..., 0], top2[..., 0])
-  drop_top = fits(low2[..., 0], top2[..., 1]) & ((low2[..., 0] >> 1) <= MAX_EXCEPTION_META - META_EXCEPTION)
-  drop_low = fits(low2[..., 1], top2[..., 0]) & ((low2[..., 1] >> 1) <= MAX_EXCEPTION_META - META_EXCEPTION)
-  position = jnp.where(drop_top, jnp.argmax(e, axis=-1), jnp.argmin(e, axis=-1)).astype(jnp.int32)
-  set_aside = jnp.take_along_axis(e, position[..., None], axis=-1)[..., 0]
-  half_base = jnp.where(plain | drop_top, low2[..., 0], low2[..., 1]) >> 1
+  room = lambda lo: (lo >> 1) <= MAX_EXCEPTION_META - META_EXCEPTION  # 0x80 | b/2 stays below 0xFE
+  plain = fits(lo1, hi1)
+  drop_top = fits(lo1, hi2) & room(lo1)
+  drop_low = fits(lo2, hi1) & room(lo2)
   has_exception = ~plain & (drop_top | drop_low)
+  half_base = jnp.where(plain | drop_top, lo1, lo2) >> 1
+  entry = jnp.where(drop_top, first(at_hi) | (hi1 >> 1) << POSITION_BITS, first(at_lo) | (lo1 >> 1) << POSITION_BITS)
   meta = jnp.where(plain, half_base, jnp.where(has_exception, META_EXCEPTION | half_base, META_RAW))
-  exception = jnp.where(has_exception, position | (set_aside >> 1) << POSITION_BITS, 0)
+  exception = jnp.where(has_exception, entry, 0)
   return meta.astype(jnp.int32), exception.astype(jnp.int32)
 
 

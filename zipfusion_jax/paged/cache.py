@@ -6,8 +6,9 @@ tail page. Completed pages live in one of two stores:
 
 * compressed: a byte arena of 256-byte units holding one 4-block group per
   (KV head, physical page, K or V), located by `group_meta` (FORMAT.md §5:
-  version/offset word, slot bytes b/2 / raw / absent). `head_dim` 64 pages
-  have 2 blocks and 2 absent slots, so every page is one group.
+  version/offset word, slot bytes b/2 / raw / absent; version 2, FORMAT.md §9:
+  16-byte records with one exception per block). `head_dim` 64 pages have 2
+  blocks and 2 absent slots, so every page is one group.
 * uncompressed: BF16 pages `[Hkv, P, 16, D]`, the layout of JAX's Pallas
   paged attention.
 
@@ -44,8 +45,8 @@ class PagedKVCache:
       each sequence in rows 0 .. L % 16 - 1. Rows past the length must be
       finite (the builder writes zeros).
     arena: uint8 [units, 256] (compressed) or None.
-    group_meta: uint32 [Hkv, P, 2, 2] (compressed: [head, page, K/V, word])
-      or None.
+    group_meta: uint32 [Hkv, P, 2, 2] (compressed: [head, page, K/V, word]; format
+      version 2: [Hkv, P, 2, 4]) or None.
     k_pages, v_pages: bfloat16 [Hkv, P, 16, D] (uncompressed) or None.
     compressed: static; which store holds the completed pages.
   """
@@ -82,6 +83,11 @@ class PagedKVCache:
     return (self.group_meta if self.compressed else self.k_pages).shape[1]
 
   @property
+  def format_version(self) -> int | None:
+    """1 or 2: the format the builder wrote (by the record width); None for BF16 pages."""
+    return None if not self.compressed else (2 if self.group_meta.shape[-1] == 4 else 1)
+
+  @property
   def max_length(self) -> int:
     """Longest sequence the page table can describe."""
     return self.max_pages * PAGE_SIZE + PAGE_SIZE - 1
@@ -114,7 +120,8 @@ def _check_kv(k, v, lengths):
   return lengths.astype(np.int32)
 
 
-def paged_cache_from_dense(k, v, lengths, page_size: int = PAGE_SIZE, compressed: bool = True, *, seed: int = 0) -> PagedKVCache:
+def paged_cache_from_dense(k, v, lengths, page_size: int = PAGE_SIZE, compressed: bool = True, *, seed: int = 0,
+                           version: int = 1) -> PagedKVCache:
   """Build one layer's paged cache from dense K/V.
 
   Args:
@@ -123,12 +130,15 @@ def paged_cache_from_dense(k, v, lengths, page_size: int = PAGE_SIZE, compressed
     page_size: must be 16 (the format's page).
     compressed: store completed pages in the 12-bit format (else BF16 pages).
     seed: shuffles the physical page order (page tables are not identity maps).
+    version: format version of the compressed pages (1, or 2: FORMAT.md §9; the fused
+      kernel reads version 1 only so far, the jnp reference both).
 
   Returns:
     PagedKVCache with `max_pages = ceil(S / 16)`.
   """
   if page_size != PAGE_SIZE:
     raise ValueError(f"page_size must be {PAGE_SIZE} (the format's page), got {page_size}")
+  version = codec.check_version(version)
   lengths = _check_kv(k, v, lengths)
   k, v = jnp.asarray(k), jnp.asarray(v)
   batch, seq, kv_heads, head_dim = k.shape
@@ -161,12 +171,12 @@ def paged_cache_from_dense(k, v, lengths, page_size: int = PAGE_SIZE, compressed
   k_pages, v_pages = pages_of(k), pages_of(v)
   if not compressed:
     return PagedKVCache(**common, k_pages=k_pages, v_pages=v_pages, compressed=False)
-  arena, group_meta = compress_pages(jnp.stack([k_pages, v_pages], axis=2))
+  arena, group_meta = compress_pages(jnp.stack([k_pages, v_pages], axis=2), version)
   return PagedKVCache(**common, arena=arena, group_meta=group_meta, compressed=True)
 
 
 def encode_page_blocks(pages: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Encode K/V pages block by block (no placement).
+  """Encode K/V pages block by block in format version 1 (no placement).
 
   Args:
     pages: bfloat16 [..., 2 (K, V), 16, D].
@@ -181,6 +191,15 @@ def encode_page_blocks(pages: jax.Array) -> tuple[jax.Array, jax.Array]:
   return B.encode_rows(bits, meta_byte), pad_absent_slots(meta_byte)
 
 
+def encode_page_blocks_v2(pages: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`encode_page_blocks` in format version 2: (rows, meta_bytes, exception entries int32 [..., 2, 4])."""
+  bits = B.to_bits(kv_page_blocks(pages))
+  meta_byte, exception = B.block_rule_v2(bits)
+  nothing = jnp.zeros((*exception.shape[:-1], B.BLOCKS_PER_GROUP - exception.shape[-1]), jnp.int32)
+  return (B.encode_rows(bits, meta_byte, exception), pad_absent_slots(meta_byte),
+          jnp.concatenate([exception, nothing], axis=-1))
+
+
 def kv_page_blocks(pages: jax.Array) -> jax.Array:
   """bfloat16 [..., 2 (K, V), 16, D] -> [..., 2, D // 32, 512]: each page's blocks in position order."""
   return jnp.stack([layout.pages_to_blocks(pages[..., i, :, :], kind) for i, kind in enumerate(KINDS)], axis=-3)
@@ -192,31 +211,36 @@ def pad_absent_slots(meta_byte: jax.Array) -> jax.Array:
   return jnp.concatenate([meta_byte, absent], axis=-1)
 
 
-@jax.jit
-def _encode_pages(pages: jax.Array):
-  """bfloat16 [Hkv, P, 2, 16, D] -> (payload uint8 [cap], group_meta uint32 [Hkv, P, 2, 2], units)."""
+@functools.partial(jax.jit, static_argnums=1)
+def _encode_pages(pages: jax.Array, version: int):
+  """bfloat16 [Hkv, P, 2, 16, D] -> (payload uint8 [cap], group_meta uint32 [Hkv, P, 2, 2 or 4], units)."""
   kv_heads, num_pages, _, _, head_dim = pages.shape
   nblocks = layout.blocks_per_page(head_dim)
-  rows, meta_bytes = encode_page_blocks(pages)
+  if version == 1:
+    (rows, meta_bytes), exceptions = encode_page_blocks(pages), None
+  else:
+    rows, meta_bytes, exceptions = encode_page_blocks_v2(pages)
+    exceptions = exceptions.reshape(-1, B.BLOCKS_PER_GROUP)
   meta_bytes = meta_bytes.reshape(-1, B.BLOCKS_PER_GROUP)
-  _, group_meta, units = codec.pack_groups(meta_bytes)
+  _, group_meta, units = codec.pack_groups(meta_bytes, version, exceptions)
   starts = codec.block_byte_offsets(group_meta)[:, :nblocks].reshape(-1)
   rows = rows.reshape(-1, B.ROW_BYTES)
   payload = codec.place_rows(rows, meta_bytes[:, :nblocks].reshape(-1), starts, rows.shape[0] * B.ROW_BYTES)
-  return payload, group_meta.reshape(kv_heads, num_pages, 2, 2), units
+  return payload, group_meta.reshape(kv_heads, num_pages, 2, group_meta.shape[-1]), units
 
 
-def compress_pages(pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+def compress_pages(pages: jax.Array, version: int = 1) -> tuple[jax.Array, jax.Array]:
   """Compress completed pages into a trimmed arena.
 
   Args:
     pages: bfloat16 [Hkv, P, 2 (K, V), 16, D].
+    version: format version (1, or 2 with one exception per block).
 
   Returns:
-    (arena uint8 [units, 256], group_meta uint32 [Hkv, P, 2, 2]); groups are
-    packed back to back in (head, page, kind) order.
+    (arena uint8 [units, 256], group_meta uint32 [Hkv, P, 2, 2], or [.., 4] for version 2);
+    groups are packed back to back in (head, page, kind) order.
   """
-  payload, group_meta, units = _encode_pages(pages)
+  payload, group_meta, units = _encode_pages(pages, codec.check_version(version))
   units = max(int(units), 1)
   return payload[: units * B.UNIT_BYTES].reshape(units, B.UNIT_BYTES), group_meta
 
@@ -240,8 +264,8 @@ def restore_pages(cache: PagedKVCache, impl: str = "reference") -> tuple[jax.Arr
 @functools.partial(jax.jit, static_argnames="head_dim")
 def _restore_pages(arena, group_meta, head_dim):
   nblocks = layout.blocks_per_page(head_dim)
-  kv_heads, num_pages = group_meta.shape[:2]
-  meta = group_meta.reshape(-1, 2)
+  kv_heads, num_pages, _, width = group_meta.shape
+  meta = group_meta.reshape(-1, width)
   c = codec.CompressedBlocks(
       payload=arena.reshape(-1),
       group_meta=meta,
