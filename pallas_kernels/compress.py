@@ -3,7 +3,10 @@
 Default (`single_pass=False`): `_plan_kernel` decides each block's rule (b/2
 or raw), XLA computes group offsets with a cumsum, and `_pack_kernel` reads the
 blocks again and writes low bytes, code bytes or raw high bytes at the group's
-offset, zeroing the unused tail of the worst-case payload as it goes.
+offset, zeroing the unused tail of the worst-case payload as it goes. Format
+version 2 (docs/FORMAT.md §9, two-pass only): the plan kernel runs the
+version-2 rule (`block.block_rule_v2`, also giving each block's exception
+entry) and the pack kernel writes the exception's code with d = 0.
 
 `single_pass=True`: one kernel per tile of `tile_groups` groups reads its
 blocks from HBM once, posts the tile's size, finds its payload offset by a
@@ -84,6 +87,11 @@ def _plan_kernel(bits_ref, meta_ref):
   meta_ref[...] = B.block_meta_byte(*B.block_half_base(bits_ref[...]))  # the reference rule, in-kernel
 
 
+def _plan_kernel_v2(bits_ref, meta_ref, exception_ref):
+  # bits_ref: uint16 [plan_blocks, 512]; meta_ref, exception_ref: int32 [plan_blocks]
+  meta_ref[...], exception_ref[...] = B.block_rule_v2(bits_ref[...])  # the reference rule, in-kernel
+
+
 def _block_meta(x, y):
   """x, y: int32 [64, 4] (the two halves of one block) -> the block's metadata byte."""
   ex, ey = (x >> 7) & 0xFF, (y >> 7) & 0xFF
@@ -96,7 +104,7 @@ def _block_meta(x, y):
 
 def _block_units(mb):
   # Integer arithmetic: Triton's lowering of nested scalar selects mixes i1 and i32.
-  is_compressed = (mb <= B.MAX_HALF_BASE).astype(jnp.int32)
+  is_compressed = (mb <= B.MAX_EXCEPTION_META).astype(jnp.int32)  # b/2, or version 2's 0x80 | b/2
   is_raw = (mb == B.META_RAW).astype(jnp.int32)
   return is_compressed * B.COMPRESSED_UNITS + is_raw * B.RAW_UNITS
 
@@ -108,8 +116,8 @@ def _load_block(bits_ref, row0):
   return x, y
 
 
-def _store_block(payload_ref, unit, mb, x, y):
-  """Write one block (metadata byte mb) at `unit` of the uint8 [*, 4] payload."""
+def _store_block(payload_ref, unit, mb, x, y, exception=None):
+  """Write one block (metadata byte mb; version 2: its exception entry) at `unit` of the uint8 [*, 4] payload."""
   row = unit * ROWS_PER_UNIT
 
   @pl.when(mb != B.META_ABSENT)
@@ -117,10 +125,17 @@ def _store_block(payload_ref, unit, mb, x, y):
     payload_ref[pl.ds(row, 64, stride=2), :] = (x & 0xFF).astype(jnp.uint8)
     payload_ref[pl.ds(row + 1, 64, stride=2), :] = (y & 0xFF).astype(jnp.uint8)
 
-  @pl.when(mb <= B.MAX_HALF_BASE)
+  @pl.when(mb <= B.MAX_EXCEPTION_META)
   def _codes():
+    hb = mb & B.MAX_HALF_BASE
     hx, hy = x >> 8, y >> 8
-    code = (hx & 0x80) | (((hy & 0x7F) - mb) << 4) | ((hy >> 4) & 0x08) | ((hx & 0x7F) - mb)
+    if exception is not None:  # the exception keeps its sign, with d = 0 (FORMAT.md §9)
+      flagged = (mb > B.MAX_HALF_BASE).astype(jnp.int32)
+      p = exception & ((1 << B.POSITION_BITS) - 1)
+      pos_x = 8 * jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+      hx = jnp.where((pos_x == p) & (flagged == 1), (hx & 0x80) | hb, hx)
+      hy = jnp.where((pos_x + 4 == p) & (flagged == 1), (hy & 0x80) | hb, hy)
+    code = (hx & 0x80) | (((hy & 0x7F) - hb) << 4) | ((hy >> 4) & 0x08) | ((hx & 0x7F) - hb)
     payload_ref[pl.ds(row + LOW_ROWS, 64), :] = code.astype(jnp.uint8)
 
   @pl.when(mb == B.META_RAW)
@@ -147,19 +162,25 @@ def _zero_tail(payload_ref, g, total_units):
   )
 
 
-def _pack_kernel(meta_ref, offset_ref, total_ref, bits_ref, payload_ref):
-  # meta_ref:    int32 [groups * 4] (whole array), per-block byte
-  # offset_ref:  int32 [groups] (whole array), group offset in units
-  # total_ref:   int32 [1], units in use
-  # bits_ref:    uint16 [4 * 128, 4], this group's four blocks (block k at rows 128k..)
-  # payload_ref: uint8 [groups * 16 * 64, 4] (whole array)
+def _pack_kernel(*refs, version: int):
+  # meta_ref:      int32 [groups * 4] (whole array), per-block byte
+  # exception_ref: int32 [groups * 4] (whole array; version 2 only), per-block exception entry
+  # offset_ref:    int32 [groups] (whole array), group offset in units
+  # total_ref:     int32 [1], units in use
+  # bits_ref:      uint16 [4 * 128, 4], this group's four blocks (block k at rows 128k..)
+  # payload_ref:   uint8 [groups * 16 * 64, 4] (whole array)
+  if version == 1:
+    (meta_ref, offset_ref, total_ref, bits_ref, payload_ref), exception_ref = refs, None
+  else:
+    meta_ref, exception_ref, offset_ref, total_ref, bits_ref, payload_ref = refs
   g = pl.program_id(0)
   _zero_tail(payload_ref, g, total_ref[0])
   unit = offset_ref[g]
   for k in range(B.BLOCKS_PER_GROUP):
     mb = meta_ref[g * B.BLOCKS_PER_GROUP + k]
+    exception = None if exception_ref is None else exception_ref[g * B.BLOCKS_PER_GROUP + k]
     x, y = _load_block(bits_ref, k * LOW_ROWS)
-    _store_block(payload_ref, unit, mb, x, y)
+    _store_block(payload_ref, unit, mb, x, y, exception)
     unit = unit + _block_units(mb)
 
 
@@ -263,42 +284,47 @@ def _single_pass(bits_rows, num_blocks: int, config, interpret):
   return payload, meta, offsets, total[0]
 
 
-def _plan(bits2d, config: CompressConfig, interpret: bool):
+def _plan(bits2d, config: CompressConfig, interpret: bool, version: int):
+  """Per-block bytes int32 [N] (version 2: and exception entries int32 [N])."""
   t = config.plan_blocks
   n = bits2d.shape[0]
+  outputs = 1 if version == 1 else 2
   return pl.pallas_call(
-      _plan_kernel,
+      _plan_kernel if version == 1 else _plan_kernel_v2,
       grid=(n // t,),
       in_specs=[pl.BlockSpec((t, B.VALUES_PER_BLOCK), lambda i: (i, 0))],  # bits
-      out_specs=pl.BlockSpec((t,), lambda i: (i,)),  # meta bytes
-      out_shape=jax.ShapeDtypeStruct((n,), jnp.int32),
+      out_specs=[pl.BlockSpec((t,), lambda i: (i,))] * outputs,  # meta bytes (, exception entries)
+      out_shape=[jax.ShapeDtypeStruct((n,), jnp.int32)] * outputs,
       interpret=interpret,
       compiler_params=pltr.CompilerParams(num_warps=config.num_warps),
       name="zipfusion_compress_plan",
   )(bits2d)
 
 
-def _pack(meta, group_offsets, total_units, bits_rows, config, interpret):
+def _pack(meta, exceptions, group_offsets, total_units, bits_rows, config, interpret):
   groups = group_offsets.shape[0]
+  whole = pl.BlockSpec(memory_space=pl.ANY)
+  extra = [] if exceptions is None else [exceptions]
   return pl.pallas_call(
-      _pack_kernel,
+      functools.partial(_pack_kernel, version=1 if exceptions is None else 2),
       grid=(groups,),
       in_specs=[
-          pl.BlockSpec(memory_space=pl.ANY),  # meta bytes, whole
-          pl.BlockSpec(memory_space=pl.ANY),  # group offsets, whole
-          pl.BlockSpec(memory_space=pl.ANY),  # units in use
+          whole,  # meta bytes
+          *[whole] * len(extra),  # exception entries (version 2)
+          whole,  # group offsets
+          whole,  # units in use
           pl.BlockSpec((B.BLOCKS_PER_GROUP * LOW_ROWS, 4), lambda g: (g, 0)),  # bits
       ],
-      out_specs=pl.BlockSpec(memory_space=pl.ANY),  # payload, written whole
+      out_specs=whole,  # payload, written whole
       out_shape=jax.ShapeDtypeStruct((groups * WINDOW_ROWS, 4), jnp.uint8),
       interpret=interpret,
       compiler_params=pltr.CompilerParams(num_warps=config.num_warps),
       name="zipfusion_compress_pack",
-  )(meta, group_offsets, total_units, bits_rows)
+  )(meta, *extra, group_offsets, total_units, bits_rows)
 
 
-@functools.partial(jax.jit, static_argnames=("num_blocks", "config", "interpret"))
-def _compress_bits(bits2d: jax.Array, *, num_blocks: int, config: CompressConfig, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("num_blocks", "config", "interpret", "version"))
+def _compress_bits(bits2d: jax.Array, *, num_blocks: int, config: CompressConfig, interpret: bool, version: int):
   """bits2d: uint16 [N, 512], N a multiple of 4 * max(plan_blocks, tile_groups); rows >= num_blocks are padding."""
   n = bits2d.shape[0]
   groups = -(-num_blocks // B.BLOCKS_PER_GROUP)
@@ -306,34 +332,40 @@ def _compress_bits(bits2d: jax.Array, *, num_blocks: int, config: CompressConfig
     payload_rows, meta, offsets, total_units = _single_pass(bits2d.reshape(n * LOW_ROWS, 4), num_blocks, config, interpret)
     group_meta = codec.make_group_meta(offsets, meta.reshape(-1, B.BLOCKS_PER_GROUP))
     return payload_rows.reshape(-1)[: num_blocks * B.ROW_BYTES], group_meta[:groups], total_units
-  meta = _plan(bits2d, config, interpret)
+  meta, exceptions = (_plan(bits2d, config, interpret, 1)[0], None) if version == 1 else _plan(bits2d, config, interpret, 2)
   if n > num_blocks:  # padding rows become absent slots
     meta = jnp.where(jnp.arange(n) < num_blocks, meta, B.META_ABSENT)
-  meta_bytes = meta.reshape(-1, B.BLOCKS_PER_GROUP)
-  group_offsets, group_meta, total_units = codec.pack_groups(meta_bytes)
-  payload_rows = _pack(meta, group_offsets, total_units.reshape(1), bits2d.reshape(n * LOW_ROWS, 4), config, interpret)
+  group_offsets, group_meta, total_units = codec.pack_groups(
+      meta.reshape(-1, B.BLOCKS_PER_GROUP), version, None if exceptions is None else exceptions.reshape(-1, B.BLOCKS_PER_GROUP))
+  payload_rows = _pack(meta, exceptions, group_offsets, total_units.reshape(1), bits2d.reshape(n * LOW_ROWS, 4),
+                       config, interpret)
   payload = payload_rows.reshape(-1)[: num_blocks * B.ROW_BYTES]
   return payload, group_meta[:groups], total_units
 
 
-def compress_pallas(x, *, config: CompressConfig | None = None, interpret: bool | None = None) -> codec.CompressedBlocks:
+def compress_pallas(x, *, config: CompressConfig | None = None, interpret: bool | None = None,
+                    version: int = B.FORMAT_VERSION) -> codec.CompressedBlocks:
   """Pallas encoder with the contract of `codec.compress_reference` (same bytes).
 
   Args:
     x: bfloat16 [..., 512].
     config: tuning knobs; `heuristic_config` when None.
     interpret: run interpreted (default: when the default backend is not a GPU).
+    version: format version, 1 or 2 (two-pass configs only for 2).
   """
+  version = codec.check_version(version)
   x = codec.check_blocks_input(x)
   batch_shape = tuple(x.shape[:-1])
   bits = B.to_bits(x).reshape(-1, B.VALUES_PER_BLOCK)
   n = bits.shape[0]
   config = config or heuristic_config(n)
+  if version == 2 and config.single_pass:
+    raise NotImplementedError("the single-pass kernel writes format version 1 only; use the two-pass default")
   quantum = B.BLOCKS_PER_GROUP * max(config.plan_blocks, config.tile_groups)
   padded = -(-n // quantum) * quantum
   if padded != n:
     bits = jnp.pad(bits, ((0, padded - n), (0, 0)))
   payload, group_meta, units = _compress_bits(
-      bits, num_blocks=n, config=config, interpret=resolve_interpret(interpret)
+      bits, num_blocks=n, config=config, interpret=resolve_interpret(interpret), version=version
   )
   return codec.CompressedBlocks(payload, group_meta, units, batch_shape)

@@ -68,10 +68,11 @@ H200 = AbstractMesh(
 )
 
 
-@pytest.mark.parametrize("config", [CompressConfig(), CompressConfig(single_pass=True)])
-def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config):
+@pytest.mark.parametrize("config,version", [(CompressConfig(), 1), (CompressConfig(single_pass=True), 1),
+                                            (CompressConfig(), 2)])
+def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config, version):
   def f(x):
-    c = compress_pallas(x, config=config, interpret=False)
+    c = compress_pallas(x, config=config, interpret=False, version=version)
     return c.payload, c.group_meta, c.payload_units
 
   with jax.sharding.use_abstract_mesh(H200):
@@ -83,3 +84,37 @@ def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config):
   names = ("single_pass", "zero_tail") if config.single_pass else ("plan", "pack")
   for name in names:
     assert f"zipfusion_compress_{name}" in text
+
+
+def _exception_blocks(n, seed=0):
+  """bf16 [n, 512]: in-window blocks (exponents 112..127) with 0, 1 or 2 values outside, anywhere."""
+  rng = np.random.default_rng(seed)
+  e = rng.integers(112, 128, (n, 512))
+  bits = ((rng.integers(0, 2, (n, 512)) << 15) | (e << 7) | rng.integers(0, 128, (n, 512))).astype(np.uint16)
+  outliers = rng.integers(0, 3, n)
+  for i in np.flatnonzero(outliers):
+    bits[i, rng.integers(0, 512, outliers[i])] = rng.integers(0, 1 << 16, outliers[i])  # any pattern, ±0 and NaN too
+  return bits.view(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("n", [1, 5, 64, 130])
+def test_version_2_bytes_equal_reference(n):
+  x = _exception_blocks(n, seed=n)
+  got, want = compress_pallas(x, interpret=True, version=2), zf.compress(x, version=2)
+  _assert_same(got, want)
+  assert np.asarray(want.group_meta).shape[1] == 4 and np.any(np.asarray(want.meta_bytes) & 0x80)
+  np.testing.assert_array_equal(np.asarray(zf.decompress(got)).view(np.uint16), x.view(np.uint16))
+
+
+def test_version_2_kernel_on_every_pattern_as_the_exception():
+  """Every BF16 pattern once as the one out-of-window value (at a rotating position), in chunks."""
+  from test_format_v2 import background
+
+  rng = np.random.default_rng(17)
+  patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+  bits = background(rng, patterns.size)
+  rows, position = np.arange(patterns.size), np.arange(patterns.size) % 512
+  bits[rows, np.where(np.isin(position, (1, 2)), 0, position)] = patterns
+  for start in range(0, patterns.size, 8192):
+    x = bits[start : start + 8192].view(ml_dtypes.bfloat16)
+    _assert_same(compress_pallas(x, interpret=True, version=2), zf.compress(x, version=2))

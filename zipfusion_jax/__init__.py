@@ -23,7 +23,7 @@ def compress(x, impl: Impl = "reference", version: int = 1, **kwargs) -> Compres
     impl: "reference" (jnp, the spec) or "pallas" (the compression kernel;
       interpreted when no GPU is present). Both give identical bytes.
     version: format version (docs/FORMAT.md): 1, or 2 (one exception per block,
-      16-byte group records; reference codec only so far).
+      16-byte group records).
     **kwargs: for "pallas": `config`, `interpret`.
 
   Returns:
@@ -31,19 +31,16 @@ def compress(x, impl: Impl = "reference", version: int = 1, **kwargs) -> Compres
 
   Raises:
     TypeError: x is not bfloat16. ValueError: trailing size is not 512, or an
-    unknown version. NotImplementedError: version 2 with impl="pallas".
+    unknown version. NotImplementedError: version 2 with the single-pass kernel config.
   """
   if impl == "reference":
     if kwargs:
       raise TypeError(f"impl='reference' takes no options, got {sorted(kwargs)}")
     return compress_reference(x, version)
   if impl == "pallas":
-    if version != 1:
-      raise NotImplementedError(f"the Pallas compression kernel writes format version 1 only, got {version=}; "
-                                "use impl='reference' for version 2")
     from pallas_kernels.compress import compress_pallas  # kernels sit above the format
 
-    return compress_pallas(x, **kwargs)
+    return compress_pallas(x, version=version, **kwargs)
   raise ValueError(f"{impl=} must be 'reference' or 'pallas'")
 
 
