@@ -53,7 +53,7 @@ def eligible_fraction(cache) -> float:
   """Fraction of stored (non-absent) blocks of a compressed cache kept in 12 bits."""
   slots = np.asarray(codec.unpack_meta_bytes(cache.group_meta[..., 1]))
   used = slots[slots != B.META_ABSENT]
-  return float(np.mean(used <= B.MAX_HALF_BASE))
+  return float(np.mean(B.is_compressed(used)))
 
 
 def dense_attention(implementation: str, scale: float):
@@ -69,9 +69,11 @@ def problem(key, cfg, batch, context):
   q = jax.random.normal(jax.random.fold_in(key, 1), (batch, cfg.q_heads, cfg.head_dim), jnp.bfloat16)
   lengths = np.full(batch, context, np.int32)
   comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
+  comp2 = zf.paged_cache_from_dense(k, v, lengths, compressed=True, version=2)
   plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
-  return dict(q=q, k=k, v=v, comp=comp, plain=plain, scale=1.0 / np.sqrt(cfg.head_dim),
-              bf16_bytes=2 * k.size * 2, comp_bytes=comp.arena.size + comp.group_meta.size * 4)
+  stored = lambda c: c.arena.size + c.group_meta.size * 4
+  return dict(q=q, k=k, v=v, comp=comp, comp2=comp2, plain=plain, scale=1.0 / np.sqrt(cfg.head_dim),
+              bf16_bytes=2 * k.size * 2, comp_bytes=stored(comp), comp2_bytes=stored(comp2))
 
 
 def baselines(q, k, v, cache_bf16, scale):
@@ -107,6 +109,7 @@ def run_shape(key, cfg, batch, context):
   if jax.default_backend() == "gpu":  # the fused kernel needs a Hopper GPU
     fused = jax.jit(lambda q, c: zf.paged_decode_attention(q, c, impl="pallas"))
     fns["zipfusion_compressed"] = (fused, (q, comp), comp_bytes)
+    fns["zipfusion_compressed_v2"] = (fused, (q, p["comp2"]), p["comp2_bytes"])  # format version 2
     fns["zipfusion_uncompressed"] = (fused, (q, plain), bf16_bytes)
     fns["decompress_then_attend"] = (jax.jit(lambda q, c: zf.decompress_then_attend(q, c, impl="pallas")), (q, comp),
                                      comp_bytes + 2 * bf16_bytes)
@@ -123,10 +126,11 @@ def run_shape(key, cfg, batch, context):
     print(f"{name:34s} B={batch:4d} S={context:6d} {t:9.1f} us  {nbytes / t / 1e6:6.2f} TB/s  err {err:.1e}", flush=True)
   same = np.array_equal(np.asarray(outs["zipfusion_reference_compressed"]).view(np.uint16), np.asarray(ref).view(np.uint16))
   if "zipfusion_compressed" in outs:  # the fused kernel: compressed and BF16 pages give the same bits
-    same &= np.array_equal(np.asarray(outs["zipfusion_compressed"]).view(np.uint16),
-                           np.asarray(outs["zipfusion_uncompressed"]).view(np.uint16))
+    for name in ("zipfusion_compressed", "zipfusion_compressed_v2"):
+      same &= np.array_equal(np.asarray(outs[name]).view(np.uint16), np.asarray(outs["zipfusion_uncompressed"]).view(np.uint16))
   return rows, dict(batch=batch, context=context, eligible_fraction=eligible_fraction(comp), compressed_equals_uncompressed=bool(same),
-                    compression_ratio=bf16_bytes / comp_bytes)
+                    compression_ratio=bf16_bytes / comp_bytes, eligible_fraction_v2=eligible_fraction(p["comp2"]),
+                    compression_ratio_v2=bf16_bytes / p["comp2_bytes"])
 
 
 def main(argv=None):

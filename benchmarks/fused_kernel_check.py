@@ -45,12 +45,14 @@ def case(key, batch, seq, kv_heads, group, head_dim, lengths, splits, knob_sets=
   q = jax.random.normal(kq, (batch, kv_heads * group, head_dim), jnp.bfloat16)
   lengths = np.asarray(lengths, np.int32)
   comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
+  comp2 = zf.paged_cache_from_dense(k, v, lengths, compressed=True, version=2)  # the outliers become exceptions
   plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
   scale = 1.0 / np.sqrt(head_dim)
   ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
   outs, failures = {}, []
   variants = [(path + suffix, cache, knobs) for path, cache in (("compressed", comp), ("uncompressed", plain))
               for suffix, knobs in knob_sets]
+  variants.append(("compressed_v2", comp2, {}))  # format version 2, default knobs
   err = 0.0
   for name, cache, knobs in variants:
     if name.split("_")[0] not in PATHS:
@@ -144,7 +146,9 @@ def timing(shapes, splits_list, lean=False, sweep=None):
     if sweep is not None:
       variants = [(kn.get("splits", heur.splits), {k: x for k, x in kn.items() if k != "splits"}) for kn in sweep]
     for splits, knobs in variants:
-      for name, cache, nbytes in (("zipfusion_compressed", comp, comp_bytes), ("zipfusion_uncompressed", plain, bf16_bytes)):
+      caches = (("zipfusion_compressed", comp, comp_bytes), ("zipfusion_uncompressed", plain, bf16_bytes),
+                ("zipfusion_compressed_v2", p["comp2"], p["comp2_bytes"]))
+      for name, cache, nbytes in caches:
         cfg = DecodeConfig(splits=splits, **knobs)
         f = jax.jit(lambda q, c, cfg=cfg: decode_attention_pallas(q, c, scale, config=cfg))
         try:

@@ -124,7 +124,7 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool
 
 
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
-            compressed, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages,
+            compressed, version, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages,
             timing_probe, warp_issue, consumer_registers, interpret):
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
@@ -132,7 +132,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       rows past the end; lengths_ref: i32 [B]; page_table_ref: i32 [B, MP];
     k_tail_ref, v_tail_ref: bf16 [B, Hkv, 16, D], or (compressed, restored in registers) the
       same bytes as uint8 [B, Hkv, 4 * nb, 256]: one byte-stage slot, where the tail page lands;
-    compressed: arena_ref u8 [U, 256], meta_ref u32 [Hkv, P, 2, 2];
+    compressed: arena_ref u8 [U, 256], meta_ref u32 [Hkv, P, 2, 2] (format version 2: [Hkv, P, 2, 4]);
     else: k_pages_ref, v_pages_ref bf16 [Hkv, P, 16, D];
     o_ref: f32 [B, Hkv, splits, D, 8] (O^T; columns >= G unused);
     lse_ref: f32 [B, Hkv, splits, 16, 8] (log2 domain, every row the same).
@@ -153,8 +153,10 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   end_page = jnp.minimum(first_page + pages_per_split, total_pages)
   n_steps = jnp.maximum(end_page - first_page + STEP_PAGES - 1, 0) // STEP_PAGES
 
+  info_words, kind_words = info_smem.shape[-1], P.KIND_WORDS[version]
+
   def slot_infos(stage):
-    return [tuple(info_smem[stage, s, i] for i in range(3)) for s in range(STEP_PAGES)]
+    return [tuple(info_smem[stage, s, i] for i in range(info_words)) for s in range(STEP_PAGES)]
 
   @pl.when(wg == 0)
   def _consumer():
@@ -255,11 +257,12 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       row_start = b * max_pages + first_page + i * STEP_PAGES
       if interpret:  # inline PTX is not interpretable: the same gather, one entry at a time
         I.gather_pages(page_table_ref, store_b, chunk_smem, row_start, row_end, kvh, max_pages=max_pages,
-                       num_pages=num_pages, nblocks=nb, compressed=compressed)
+                       num_pages=num_pages, nblocks=nb, compressed=compressed, version=version)
         return
       splat = plgpu.Layout.WG_SPLAT(shape=())
       plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), splat, splat, splat))(
-          lambda ctx, *args: P.gather_pages(*args, num_pages=num_pages, nblocks=nb, compressed=compressed))(
+          lambda ctx, *args: P.gather_pages(*args, num_pages=num_pages, nblocks=nb, compressed=compressed,
+                                            version=version))(
               page_table_ref, store_b, chunk_smem, row_start, row_end, kvh)
 
     def issue(i):
@@ -284,7 +287,8 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
         tail_dst = tile.at[stage, rows] if tails_in_tiles else byte_smem.at[stage, kind, s]
         out = [(is_tail, tail_ref.at[b, kvh], tail_dst)]
         if compressed:  # the group's 3*nb-unit prefix and its n_raw raw units: one copy
-          offset, n_raw = chunk_smem[local + s, 1 + 3 * kind], chunk_smem[local + s, 3 + 3 * kind]
+          fields = 1 + kind_words * kind  # this kind's (offset, word1, raw count[, word2, word3])
+          offset, n_raw = chunk_smem[local + s, fields], chunk_smem[local + s, fields + 2]
           dst = byte_smem.at[stage, kind, s]
           out += [(is_page & (n_raw == r), store_a.at[pl.ds(offset, 3 * nb + r)], dst.at[pl.ds(0, 3 * nb + r)])
                   for r in range(nb + 1)]
@@ -296,7 +300,9 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
         is_page, is_tail = slot_flags(s)
         info_smem[stage, s, 0] = jnp.where(is_page, R.FLAG_PAGE, jnp.where(is_tail, R.FLAG_TAIL, 0)).astype(jnp.int32)
         for kind in range(2):
-          info_smem[stage, s, 1 + kind] = chunk_smem[local + s, 2 + 3 * kind] if compressed else jnp.int32(0)
+          info_smem[stage, s, 1 + kind] = chunk_smem[local + s, 2 + kind_words * kind] if compressed else jnp.int32(0)
+          for w in range(2 * (version - 1)):  # version 2: the kind's words 2, 3 (exception entries)
+            info_smem[stage, s, R.INFO_WORDS + 2 * kind + w] = chunk_smem[local + s, 4 + kind_words * kind + w]
       plgpu.commit_smem()  # every producer thread's info stores land before the arrival below
       plgpu.barrier_arrive(bar)
 
@@ -332,10 +338,10 @@ def _inline(fn, ref_types, refs, infos, head_dim, out_shape=None):
   """Run a `restore_mgpu` function `fn(*refs, infos, head_dim=)` on this warpgroup via `inline_mgpu`.
 
   ref_types: `_BYTES` for a plain SMEM ref, `_TILE` for a swizzled BF16 tile; infos: per slot
-  the 3 info words (scalars, passed as splat arrays); out_shape: the bf16 WGMMA-layout array
-  `fn` returns (None: it returns nothing).
+  the 3 (format version 2: 7) info words (scalars, passed as splat arrays); out_shape: the bf16
+  WGMMA-layout array `fn` returns (None: it returns nothing).
   """
-  info_types = tuple((plgpu.Layout.WG_SPLAT(shape=()),) * 3 for _ in range(STEP_PAGES))
+  info_types = tuple((plgpu.Layout.WG_SPLAT(shape=()),) * len(info) for info in infos)
   ret = None if out_shape is None else plgpu.ShapeDtypeStruct(out_shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA)
   return plgpu.inline_mgpu(arg_types=(*ref_types, info_types), return_type=ret)(
       lambda ctx, *args: fn(*args, head_dim=head_dim))(*refs, tuple(infos))
@@ -382,6 +388,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   max_pages = cache.max_pages
   pages_per_split = -(-(max_pages + 1) // (splits * STEP_PAGES)) * STEP_PAGES
   stores = (cache.arena, cache.group_meta) if cache.compressed else (cache.k_pages, cache.v_pages)
+  version = cache.format_version or 1
   in_registers = cache.compressed and not interpret
   tile = lambda shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=_TRANSFORMS)
   scratch = (
@@ -390,8 +397,8 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
           None if in_registers else tile((stages, STEP_TOKENS, head_dim)),
           None if in_registers else tile((stages, STEP_TOKENS, head_dim)),
           plgpu.SMEM((stages, 2, STEP_PAGES, 4 * nb, R.UNIT), jnp.uint8) if cache.compressed else None,
-          plgpu.SMEM((stages, STEP_PAGES, 3), jnp.int32),
-          plgpu.SMEM((P.CHUNK_PAGES, P.ENTRY_WORDS), jnp.int32),
+          plgpu.SMEM((stages, STEP_PAGES, R.INFO_WORDS if version == 1 else R.INFO_WORDS_V2), jnp.int32),
+          plgpu.SMEM((P.CHUNK_PAGES, P.entry_words(version)), jnp.int32),
           tile((QROWS, STEP_TOKENS)),
           plgpu.SMEM((head_dim, QROWS), jnp.float32),
           plgpu.SMEM((STEP_TOKENS, QROWS), jnp.float32),
@@ -412,7 +419,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
     q_rows, row_stride = q_rows.reshape(batch * kv_heads * QROWS, head_dim), QROWS
 
   body = functools.partial(
-      _kernel, compressed=cache.compressed, head_dim=head_dim, kv_heads=kv_heads, row_stride=row_stride,
+      _kernel, compressed=cache.compressed, version=version, head_dim=head_dim, kv_heads=kv_heads, row_stride=row_stride,
       pages_per_split=pages_per_split, max_pages=max_pages, scale=scale, stages=stages,
       timing_probe=config.timing_probe, warp_issue=config.warp_issue,
       consumer_registers=config.consumer_registers, interpret=interpret)
@@ -467,9 +474,6 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
       path; P^T is stored with a jnp transpose; the metadata gather runs one entry at a
       time. It runs un-jitted.
   """
-  if cache.compressed and cache.format_version != 1:
-    raise NotImplementedError(f"the fused kernel reads format version 1 only, got version {cache.format_version}; "
-                              "use impl='reference' (or decompress_then_attend) for version-2 caches")
   if config is None:
     config = heuristic_config(cache.batch, cache.num_kv_heads, cache.max_pages, cache.compressed)
   if _platform.resolve_interpret(interpret):

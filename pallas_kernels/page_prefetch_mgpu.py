@@ -17,16 +17,24 @@ from jax.experimental.mosaic.gpu import utils as mu
 from pallas_kernels.restore_mgpu import RAW, _c, _eq, _i32, _scalar, _slot_byte
 
 CHUNK_PAGES = 128  # one page per producer thread
-ENTRY_WORDS = 7  # physical page, then per K / V: arena unit offset, word1 (slot bytes), raw blocks
+KIND_WORDS = {1: 3, 2: 5}  # per K / V: arena unit offset, word1 (slot bytes), raw blocks (, words 2, 3)
 
 
-def gather_pages(page_table_ref, meta_ref, chunk_ref, row_start, row_end, kvh, *, num_pages, nblocks, compressed):
+def entry_words(version: int) -> int:
+  """Words of a chunk entry: the physical page, then K's and V's fields."""
+  return 1 + 2 * KIND_WORDS[version]
+
+
+def gather_pages(page_table_ref, meta_ref, chunk_ref, row_start, row_end, kvh, *, num_pages, nblocks, compressed,
+                 version=1):
   """chunk_ref[p] = (phys, K offset, K word1, K raw count, V offset, V word1, V raw count) of
-  page-table entries row_start + p (the producer's per-copy scalar work, done 128 pages at once).
+  page-table entries row_start + p (the producer's per-copy scalar work, done 128 pages at once);
+  format version 2 adds each kind's words 2, 3 (exception entries) after its raw count.
 
   Args:
-    page_table_ref: GMEM i32 [B * max_pages] (flat); meta_ref: GMEM u32 [Hkv * P * 4] (flat).
-    chunk_ref: SMEM i32 [CHUNK_PAGES, ENTRY_WORDS].
+    page_table_ref: GMEM i32 [B * max_pages] (flat); meta_ref: GMEM u32 [Hkv * P * 2 * W] (flat;
+      W = 2 record words in version 1, 4 in version 2).
+    chunk_ref: SMEM i32 [CHUNK_PAGES, entry_words(version)].
     row_start, row_end: i32 splats, flat page-table indices; entries at or past `row_end`
       repeat the last valid one (their slots lie past the sequence; any in-bounds page does).
     kvh: i32 splat, the KV head. num_pages: P (physical ids are clamped to [0, P)).
@@ -40,19 +48,24 @@ def gather_pages(page_table_ref, meta_ref, chunk_ref, row_start, row_end, kvh, *
   phys = llvm.load(_i32(), mu.getelementptr(pt, [arith.extui(i64, row)], _i32()))
   phys = arith.maxsi(arith.minsi(phys, _c(num_pages - 1)), _c(0))
   out = mu.memref_ptr(chunk_ref)
-  entry = arith.muli(tid, _c(ENTRY_WORDS))
+  entry = arith.muli(tid, _c(entry_words(version)))
   llvm.store(phys, mu.getelementptr(out, [entry], _i32()))
   if compressed:
     meta = mu.memref_ptr(meta_ref)
+    record = 2 * (2 if version == 1 else 4)  # words per (head, page): K's and V's records
     word = arith.muli(arith.addi(arith.muli(arith.extui(i64, kvh), _c(num_pages, i64)), arith.extui(i64, phys)),
-                      _c(4, i64))
-    vec = llvm.load(ir.VectorType.get((4,), _i32()), mu.getelementptr(meta, [word], _i32()))
+                      _c(record, i64))
+    words = []
+    for v in range(record // 4):  # 16-byte loads: [K w0, K w1, V w0, V w1], or K's record then V's
+      vec = llvm.load(ir.VectorType.get((4,), _i32()), mu.getelementptr(meta, [arith.addi(word, _c(4 * v, i64))], _i32()))
+      words += [llvm.extractelement(vec, _c(i)) for i in range(4)]
+    per_kind = record // 2
     for kind in range(2):
-      word0, word1 = (llvm.extractelement(vec, _c(2 * kind + w)) for w in range(2))
+      word0, word1, *exceptions = words[per_kind * kind : per_kind * (kind + 1)]
       n_raw = _c(0)
       for j in range(nblocks):
         n_raw = arith.addi(n_raw, arith.extui(_i32(), _eq(_slot_byte(word1, j), _c(RAW))))
-      fields = (arith.andi(word0, _c(0x3FFFFFFF)), word1, n_raw)
+      fields = (arith.andi(word0, _c(0x3FFFFFFF)), word1, n_raw, *exceptions)
       for f, value in enumerate(fields):
-        llvm.store(value, mu.getelementptr(out, [arith.addi(entry, _c(1 + 3 * kind + f))], _i32()))
+        llvm.store(value, mu.getelementptr(out, [arith.addi(entry, _c(1 + KIND_WORDS[version] * kind + f))], _i32()))
   mu.warpgroup_barrier()  # the chunk is visible to every producer thread

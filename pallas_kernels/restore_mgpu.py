@@ -46,7 +46,9 @@ UNIT = 256
 RAW = FB.META_RAW  # the slot byte of a raw block
 # Per-slot flag bits in the info words the producer writes.
 FLAG_PAGE = 1  # a completed (compressed / BF16) page
-FLAG_TAIL = 2  # the raw tail page, BF16 in the tail buffer (or the tile)
+FLAG_TAIL = 2  # the raw tail page, BF16 in its byte-stage slot (or the tile)
+INFO_WORDS = 3  # per slot: flags, K word1, V word1
+INFO_WORDS_V2 = 7  # format version 2: + K word2, K word3, V word2, V word3 (exception entries)
 # neither: the slot lies past the sequence (or the split)
 
 
@@ -107,29 +109,88 @@ def _store32(ptr, offset, value):
   llvm.store(value, _gep(ptr, offset))
 
 
-def _decode_fragment(block_ptr, frag, slot_byte):
-  """The 4 BF16 pairs (as i32) of fragment `frag` (= 32c + lane, an i32) of the block at `block_ptr`.
+def _load_fragment(block_ptr, frag, half_base):
+  """Loads and code decode of fragment `frag` (= 32c + lane, an i32) of the block at `block_ptr`.
 
-  slot_byte: i32 0..127 (compressed, = b/2) or 0xFF (raw). Branch-free, so the loads of
-  all of a step's fragments can be in flight together: it loads both the code word
-  (`512 + 4k`) and the raw high words (`512 + 8k`, past a compressed block's end, still
-  inside the stage slot) and selects.
-  Returns [{a0a1}, {a2a3}, {a4a5}, {a6a7}].
+  Branch-free, so the loads of all of a step's fragments can be in flight together: it
+  loads both the code word (`512 + 4k`) and the raw high words (`512 + 8k`, past a
+  compressed block's end, still inside the stage slot); `_finish_fragment` selects.
+  Returns (lx, ly, hx, hy, rx, ry): low words, high words as if compressed with b/2 =
+  `half_base`, high words as if raw.
   """
   lx, ly = _load64(block_ptr, arith.shli(frag, _c(3)))  # low bytes at 8k
   rx, ry = _load64(block_ptr, arith.addi(arith.shli(frag, _c(3)), _c(512)))
   code = _load32(block_ptr, arith.addi(arith.shli(frag, _c(2)), _c(512)))
-  bias = arith.muli(slot_byte, _c(0x01010101))
+  bias = arith.muli(half_base, _c(0x01010101))
   hx = arith.addi(arith.andi(code, _c(0x87878787 - (1 << 32))), bias)
   hy = arith.addi(
       arith.ori(arith.andi(arith.shrui(code, _c(4)), _c(0x07070707)),
                 arith.andi(arith.shli(code, _c(4)), _c(0x80808080 - (1 << 32)))),
       bias,
   )
+  return lx, ly, hx, hy, rx, ry
+
+
+def _finish_fragment(lx, ly, hx, hy, rx, ry, slot_byte):
+  """The 4 BF16 pairs (as i32) [{a0a1}, {a2a3}, {a4a5}, {a6a7}]: raw or compressed high words by
+  `slot_byte`, interleaved with the low words."""
   is_raw = _eq(slot_byte, _c(RAW))
   hx, hy = arith.select(is_raw, rx, hx), arith.select(is_raw, ry, hy)
   lo_sel, hi_sel = _c(0x5140), _c(0x7362)
   return [mu.prmt(lx, hx, lo_sel), mu.prmt(lx, hx, hi_sel), mu.prmt(ly, hy, lo_sel), mu.prmt(ly, hy, hi_sel)]
+
+
+def _decode_fragment(block_ptr, frag, slot_byte):
+  """Format version 1: slot_byte i32 0..127 (compressed, = b/2) or 0xFF (raw)."""
+  return _finish_fragment(*_load_fragment(block_ptr, frag, slot_byte), slot_byte)
+
+
+def _has_exception(slot_byte):
+  """Version 2: the slot byte is 0x80 | b/2 (0x80..0xFD)."""
+  return arith.andi(_eq(arith.shrui(slot_byte, _c(7)), _c(1)),
+                    arith.cmpi(arith.CmpIPredicate.ult, slot_byte, _c(FB.META_ABSENT)))
+
+
+def _exception_entry(w2, w3, j):
+  """Block j's 16-bit exception entry from the record's words 2, 3 (j an i32 or an int)."""
+  if isinstance(j, int):
+    return arith.andi(arith.shrui((w2, w3)[j // 2], _c(16 * (j % 2))), _c(0xFFFF))
+  word = arith.select(arith.cmpi(arith.CmpIPredicate.ult, j, _c(2)), w2, w3)
+  return arith.andi(arith.shrui(word, arith.shli(arith.andi(j, _c(1)), _c(4))), _c(0xFFFF))
+
+
+def _patch_exception(frag, entry, flagged, hx, hy):
+  """Version 2: if `flagged` and the entry's position p lies in fragment `frag` (p >> 3), replace
+  the low 7 bits of byte p & 3 of hx (p & 4 == 0) or hy with the entry's exponent >> 1."""
+  p = arith.andi(entry, _c((1 << FB.POSITION_BITS) - 1))
+  match = arith.andi(flagged, _eq(arith.shrui(p, _c(3)), frag))
+  shift = arith.shli(arith.andi(p, _c(3)), _c(3))
+  mask = arith.select(match, arith.shli(_c(0x7F), shift), _c(0))
+  value = arith.andi(arith.shli(arith.shrui(entry, _c(FB.POSITION_BITS)), shift), mask)
+  in_y = _eq(arith.andi(p, _c(4)), _c(4))
+  mx, my = arith.select(in_y, _c(0), mask), arith.select(in_y, mask, _c(0))
+  keep = lambda h, m: arith.ori(arith.andi(h, arith.xori(m, _c(-1))), arith.andi(value, m))
+  return keep(hx, mx), keep(hy, my)
+
+
+def _decode_fragments_v2(parts):
+  """Version 2: `parts` = [(block_ptr, frag, slot_byte, entry)] of one thread -> their words, flat.
+
+  The loads of every part are issued first (branch-free); the exception patch runs under one
+  warp-uniform branch, taken only when one of the parts' blocks has an exception."""
+  loaded = [_load_fragment(ptr, frag, arith.andi(slot, _c(FB.MAX_HALF_BASE))) for ptr, frag, slot, _ in parts]
+  flagged = [_has_exception(slot) for _, _, slot, _ in parts]
+
+  def patched():
+    return [h for (_, frag, _, entry), f, (_, _, hx, hy, _, _) in zip(parts, flagged, loaded)
+            for h in _patch_exception(frag, entry, f, hx, hy)]
+
+  highs = _branch(functools.reduce(arith.ori, flagged), 2 * len(parts), patched,
+                  lambda: [h for part in loaded for h in part[2:4]])
+  words = []
+  for i, ((_, _, slot, _), (lx, ly, _, _, rx, ry)) in enumerate(zip(parts, loaded)):
+    words += _finish_fragment(lx, ly, highs[2 * i], highs[2 * i + 1], rx, ry, slot)
+  return words
 
 
 def _block_starts(word1, nblocks):
@@ -208,26 +269,32 @@ def restore_k(byte_ref, infos, *, head_dim):
   Args:
     byte_ref: memref uint8 [2 (K, V), 4 slots, 4 * nb units, 256], this step's groups; a slot
       flagged FLAG_TAIL holds the BF16 tail page `[16, D]` in natural order instead.
-    infos: per slot (flags, k_word1, v_word1) i32 values (splat arrays).
+    infos: per slot (flags, k_word1, v_word1) i32 values (splat arrays); format version 2:
+      (flags, k_word1, v_word1, k_word2, k_word3, v_word2, v_word3), words 2, 3 holding the
+      blocks' exception entries (FORMAT.md §9).
   Returns: a bf16 [64, D] WGMMA-layout FragmentedArray (register i = 8j + 4c + pair).
   """
   nblocks = head_dim // 32
   warp, lane, g, t, byte_ptr, infos = _setup(byte_ref, infos)
-  flags, kw1 = infos[0][0], infos[0][1]
+  v2 = len(infos[0]) == INFO_WORDS_V2
+  picked = list(infos[0])  # this warp's slot's info words
   for s in range(1, PAGES_PER_STEP):
     is_s = _eq(warp, _c(s))
-    flags = arith.select(is_s, infos[s][0], flags)
-    kw1 = arith.select(is_s, infos[s][1], kw1)
+    picked = [arith.select(is_s, new, old) for new, old in zip(infos[s], picked)]
+  flags, kw1 = picked[0], picked[1]
   slot_bytes = 4 * nblocks * UNIT
   slot_ptr = _gep(byte_ptr, arith.muli(warp, _c(slot_bytes)))  # kind 0 (K), slot w
 
   def from_bytes():
     starts = _block_starts(kw1, nblocks)
+    ptrs = [_gep(slot_ptr, arith.muli(starts[j], _c(UNIT))) for j in range(nblocks)]
+    if v2:
+      return _decode_fragments_v2([(ptrs[j], arith.addi(lane, _c(32 * c)), _slot_byte(kw1, j),
+                                    _exception_entry(picked[3], picked[4], j)) for j in range(nblocks) for c in range(2)])
     words = []
     for j in range(nblocks):
-      block_ptr = _gep(slot_ptr, arith.muli(starts[j], _c(UNIT)))
       for c in range(2):
-        words += _decode_fragment(block_ptr, arith.addi(lane, _c(32 * c)), _slot_byte(kw1, j))
+        words += _decode_fragment(ptrs[j], arith.addi(lane, _c(32 * c)), _slot_byte(kw1, j))
     return words
 
   def from_tail():  # pair (h, e) of fragment (j, c): token g + 8h, dims 32j + 16c + 8e + 2t (+1)
@@ -249,15 +316,15 @@ def restore_vt(byte_ref, infos, *, head_dim):
   warp, lane, g, t, byte_ptr, infos = _setup(byte_ref, infos)
   frag = arith.addi(lane, arith.shli(arith.andi(warp, _c(1)), _c(5)))  # 32c + lane
   slot_bytes = 4 * nblocks * UNIT
+  v2 = len(infos[0]) == INFO_WORDS_V2
   per_slot = []
   for s in range(PAGES_PER_STEP):
-    flags, _, vw1 = infos[s]
-
+    flags, vw1 = infos[s][0], infos[s][2]
     slot_ptr = _gep(byte_ptr, _c((PAGES_PER_STEP + s) * slot_bytes))  # kind 1 (V), slot s
 
-    def from_bytes(slot_ptr=slot_ptr, vw1=vw1):
+    def from_bytes(slot_ptr=slot_ptr, vw1=vw1, info=infos[s]):
       starts = _block_starts(vw1, nblocks)
-      words = []
+      parts = []
       for m in range(groups):
         j_dyn = arith.addi(_c(2 * m), arith.shrui(warp, _c(1)))
         start, hb = starts[0], _slot_byte(vw1, 0)
@@ -265,8 +332,11 @@ def restore_vt(byte_ref, infos, *, head_dim):
           is_j = _eq(j_dyn, _c(j))
           start = arith.select(is_j, starts[j], start)
           hb = arith.select(is_j, _slot_byte(vw1, j), hb)
-        words += _decode_fragment(_gep(slot_ptr, arith.muli(start, _c(UNIT))), frag, hb)
-      return words
+        entry = _exception_entry(info[5], info[6], j_dyn) if v2 else None
+        parts.append((_gep(slot_ptr, arith.muli(start, _c(UNIT))), frag, hb, entry))
+      if v2:
+        return _decode_fragments_v2(parts)
+      return [w for ptr, frag_, hb, _ in parts for w in _decode_fragment(ptr, frag_, hb)]
 
     def from_tail(v_tail=slot_ptr):  # pair (h, e): dim 64m + 16w + g + 8h, tokens 8e + 2t + (0, 1)
       base = arith.addi(arith.shli(arith.addi(arith.shli(warp, _c(4)), g), _c(1)),

@@ -65,6 +65,18 @@ def test_lowers_to_one_mosaic_gpu_kernel_for_an_abstract_h200(compressed, head_d
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
 
 
+@pytest.mark.parametrize("head_dim,group,splits,warp_issue", [(128, 4, 1, True), (64, 3, 2, False)])
+def test_version_2_cache_lowers_to_one_mosaic_gpu_kernel(head_dim, group, splits, warp_issue):
+  """Format version 2: 32-byte page records in the gather, exception patches in both restores."""
+  kv_heads = 3 if group == 3 else 2
+  k, v = _kv(2, 100, kv_heads, head_dim)
+  cache = zf.paged_cache_from_dense(k, v, np.array([100, 37]), version=2)
+  q = jnp.zeros((2, kv_heads * group, head_dim), jnp.bfloat16)
+  cfg = da.DecodeConfig(splits=splits, stages=3, warp_issue=warp_issue)
+  text = _lower_text(lambda q, c: da._decode_attention(q, c, 0.125, cfg, True), q, cache)
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+
+
 def test_compressed_pages_are_never_materialised_as_bf16():
   """The fused path holds no BF16 buffer the size of the pages; decompress-then-attend does."""
   batch, seq, kv_heads, head_dim = 2, 1024, 2, 128
@@ -97,11 +109,12 @@ def test_interpreted_kernel_matches_the_reference_and_both_stores_agree_bitwise(
   q = jnp.asarray(np.random.default_rng(1).normal(size=(batch, kv_heads * group, head_dim)), jnp.bfloat16)
   lengths = np.array(lengths)
   comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
+  comp2 = zf.paged_cache_from_dense(k, v, lengths, compressed=True, version=2)  # the raw blocks' outliers as exceptions
   plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
   ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
   cfg = da.DecodeConfig(splits=splits, stages=stages, warp_issue=warp_issue)
   outs = []
-  for cache in (comp, plain):
+  for cache in (comp, plain, comp2):
     out, lse = zf.paged_decode_attention(q, cache, impl="pallas", config=cfg, return_lse=True, interpret=True)
     chex.assert_shape(out, q.shape)
     chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32), atol=2e-2)
@@ -110,7 +123,10 @@ def test_interpreted_kernel_matches_the_reference_and_both_stores_agree_bitwise(
     chex.assert_trees_all_close(jnp.asarray(lse)[finite], ref_lse[finite], atol=1e-2)
     outs.append(np.asarray(out).view(np.uint16))
   np.testing.assert_array_equal(outs[0], outs[1])
+  np.testing.assert_array_equal(outs[2], outs[1])
   assert np.all(outs[0][lengths == 0] == 0)  # an empty sequence attends to nothing: zeros
+  if lengths.max() >= 16:
+    assert np.any(np.asarray(comp2.group_meta[..., 1]) & 0x80808080)  # version 2 did store exceptions
 
 
 def test_bad_impl_is_refused():

@@ -205,7 +205,8 @@ def test_version_2_pages_round_trip_and_never_store_more_payload(bits):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_paged_cache_in_version_2_attends_like_version_1(head_dim):
   """Outlier channels make many blocks need their exception; both versions restore the same pages and
-  give the same attention bits; version 2 stores fewer units; the fused kernel refuses version 2."""
+  give the same attention bits; version 2 stores fewer units. (The fused kernel on version 2:
+  tests/test_decode_kernel.py.)"""
   rng = np.random.default_rng(head_dim)
   batch, seq, kv_heads, group = 3, 100, 2, 3
   k = rng.normal(size=(batch, seq, kv_heads, head_dim)).astype(np.float32)
@@ -225,7 +226,5 @@ def test_paged_cache_in_version_2_attends_like_version_1(head_dim):
   np.testing.assert_array_equal(np.asarray(out1).view(np.uint16), np.asarray(out2).view(np.uint16))
   dta = zf.decompress_then_attend(q, c2, impl="reference")
   np.testing.assert_array_equal(np.asarray(dta).view(np.uint16), np.asarray(out1).view(np.uint16))
-  with pytest.raises(NotImplementedError, match="version 1 only"):
-    zf.paged_decode_attention(q, c2, impl="pallas")
   with pytest.raises(ValueError, match="version"):
     zf.paged_cache_from_dense(k, v, lengths, version=0)
