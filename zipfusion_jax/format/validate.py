@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from zipfusion_jax.format import block as B
-from zipfusion_jax.format.codec import CompressedBlocks
+from zipfusion_jax.format.codec import CompressedBlocks, unpack_exceptions
 
 
 class FormatError(ValueError):
@@ -54,7 +54,7 @@ def validate(c: CompressedBlocks) -> CompressedBlocks:
     what = what if present[g, k] else "absent (0xFE)"
     raise FormatError(f"group {g} slot {k}: metadata byte {int(slot_bytes[g, k]):#04x}, expected {what}")
   if meta.shape[1] == 4:
-    entries = np.stack([meta[:, 2] & 0xFFFF, meta[:, 2] >> 16, meta[:, 3] & 0xFFFF, meta[:, 3] >> 16], axis=1)
+    entries = np.asarray(unpack_exceptions(meta))
     stray = (entries != 0) & ~(v2 & flagged)
     if np.any(stray):
       g, k = map(int, np.argwhere(stray)[0])
