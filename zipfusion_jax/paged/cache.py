@@ -130,8 +130,8 @@ def paged_cache_from_dense(k, v, lengths, page_size: int = PAGE_SIZE, compressed
     page_size: must be 16 (the format's page).
     compressed: store completed pages in the 12-bit format (else BF16 pages).
     seed: shuffles the physical page order (page tables are not identity maps).
-    version: format version of the compressed pages (1, or 2: FORMAT.md §9; the fused
-      kernel reads version 1 only so far, the jnp reference both).
+    version: format version of the compressed pages (1, or 2: FORMAT.md §9, one exception
+      per block; the jnp reference and the fused kernel read both).
 
   Returns:
     PagedKVCache with `max_pages = ceil(S / 16)`.
