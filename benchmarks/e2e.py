@@ -8,7 +8,8 @@ Three systems, all this project's serving engine with random BF16 weights at the
 `zipfusion` (12-bit store, fused kernel), `uncompressed` (BF16 store, the same kernel on BF16
 pages) and `decompress_then_attend` (12-bit store; each layer's pages restored to a BF16 buffer
 before the BF16 kernel; that buffer, `PagedBackend.decompress_buffer_bytes`, is taken out of the
-budget). Largest batch: the store is built from the budget, `--max-slots` requests of `context`
+budget); `--systems ...,zipfusion_v2` adds the 12-bit store in format version 2 (one exception
+per block, docs/FORMAT.md §9) with the same fused kernel. Largest batch: the store is built from the budget, `--max-slots` requests of `context`
 tokens are submitted, and the engine's own admission (capacity with every running request's
 generation reserved, at the measured compression ratio) decides how many run; `is_max_batch` is
 true when admission, not the slot count, was the limit. Then `--steps` decode steps are timed
@@ -58,18 +59,20 @@ from zipfusion_jax.serving.engine import Engine
 from zipfusion_jax.serving.model import ModelDecoder
 from zipfusion_jax.serving.state import PAGE_SIZE, ServingConfig
 
-SYSTEMS = {  # name -> (compressed store, attention)
-    "zipfusion": (True, "fused"),
-    "uncompressed": (False, "fused"),
-    "decompress_then_attend": (True, "decompress_then_attend"),
+SYSTEMS = {  # name -> (compressed store, attention, format version)
+    "zipfusion": (True, "fused", 1),
+    "uncompressed": (False, "fused", 1),
+    "decompress_then_attend": (True, "decompress_then_attend", 1),
+    "zipfusion_v2": (True, "fused", 2),  # format version 2 (one exception per block); not in the default list
 }
+DEFAULT_SYSTEMS = "zipfusion,uncompressed,decompress_then_attend"
 
 
 def backend_for(config, system: str, slots: int, max_tokens: int, budget_bytes: int | None) -> PagedBackend:
   """The system's backend; with a budget, the store fills it (less the decompression buffer)."""
-  compressed, attention = SYSTEMS[system]
+  compressed, attention, format_version = SYSTEMS[system]
   encoder = "pallas" if jax.default_backend() == "gpu" else "reference"
-  cfg = serving_config(config, [max_tokens] * slots, 0, slots, compressed)
+  cfg = serving_config(config, [max_tokens] * slots, 0, slots, compressed, format_version=format_version)
   if budget_bytes is not None:
     shape = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("num_chunks", "num_page_ids")}
     def total(chunks):  # store + page metadata + the per-layer BF16 buffer (which grows with the page ids)
@@ -166,7 +169,7 @@ def main(argv=None):
   p.add_argument("--models", default="llama3.1-8b,qwen3-8b")
   p.add_argument("--contexts", default="2048,8192,32768")
   p.add_argument("--budget-gib", type=float, default=48.0)
-  p.add_argument("--systems", default=",".join(SYSTEMS))
+  p.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, of {', '.join(SYSTEMS)}")
   p.add_argument("--steps", type=int, default=256)
   p.add_argument("--warmup", type=int, default=2 * PAGE_SIZE,
                  help="untimed steps first: two page cycles, so every completion width a step needs is compiled")

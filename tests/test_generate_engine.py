@@ -30,11 +30,15 @@ def test_embedded_model_compressed_kv_matches_uncompressed_kv():
   assert 1.15 < stats["compression_ratio"] < 1.34
   assert 0.6 < stats["eligible_block_fraction"] <= 1.0
   assert stats["compiles"] == {"prefill": 1, "decode": 2}  # two slots: completion widths 0 and 2
+  # Format version 2 (one exception per block): the same tokens, more blocks in 12 bits.
+  v2, v2_stats = _tokens(argv + ["--format-version", "2"])
+  assert v2 == compressed and v2_stats["format_version"] == 2
+  assert v2_stats["eligible_block_fraction"] > stats["eligible_block_fraction"]
 
 
-@pytest.mark.parametrize("kv", ["compressed", "uncompressed"])
+@pytest.mark.parametrize("kv", [["compressed"], ["uncompressed"], ["compressed", "--format-version", "2"]])
 def test_tight_budget_makes_requests_wait_without_changing_tokens(kv):
-  argv = ["--model", "tiny-llama3", "--random-weights", "--max-new-tokens", "60", "--max-batch", "4", "--kv", kv]
+  argv = ["--model", "tiny-llama3", "--random-weights", "--max-new-tokens", "60", "--max-batch", "4", "--kv", *kv]
   for p in ("abc", "hello there", "zzzz zz", "the quick brown fox", "12345", "jax pallas"):
     argv += ["--prompt", p]
   free, free_stats = _tokens(argv)

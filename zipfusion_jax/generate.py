@@ -32,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--kv", choices=("compressed", "uncompressed"), default="compressed", help="KV cache format")
+  p.add_argument("--format-version", type=int, choices=(1, 2), default=1,
+                 help="format of the compressed pages: 1, or 2 (one exception per block; docs/FORMAT.md)")
   p.add_argument("--kv-memory-mib", type=float, default=None,
                  help="KV cache memory budget in MiB (with --tensor-parallel N: over all N devices, 1/N each)")
   p.add_argument("--max-batch", type=int, default=8, help="prompts decoded together")
@@ -72,14 +74,14 @@ CHUNK_PAGES = 16  # raw pages of one layer per store chunk: fine-grained enough 
 
 
 def serving_config(config, prompt_lens, max_new_tokens: int, max_batch: int, compressed: bool, kv_memory_mib=None,
-                   chunk_pages: int = CHUNK_PAGES):
+                   chunk_pages: int = CHUNK_PAGES, format_version: int = 1):
   """The engine's geometry: slots, longest sequence, and a store from `--kv-memory-mib` (or room for all slots)."""
   from zipfusion_jax.serving.state import PAGE_SIZE, ServingConfig
 
   max_pages = -(-(max(prompt_lens) + max_new_tokens) // PAGE_SIZE)
   shape = dict(num_layers=config.layers, num_kv_heads=config.kv_heads, head_dim=config.head_dim,
                num_slots=min(max_batch, len(prompt_lens)), max_pages=max_pages, chunk_pages=chunk_pages,
-               compressed=compressed)
+               compressed=compressed, format_version=format_version)
   if kv_memory_mib is not None:
     try:
       return ServingConfig.from_budget(int(kv_memory_mib * 2**20), **shape)
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace, out=None, err=None) -> dict:
     check_fits(model.config, len(ids), args.max_new_tokens)
   compressed = args.kv == "compressed"
   cfg = serving_config(model.config, [len(p) for p in prompt_ids], args.max_new_tokens, args.max_batch, compressed,
-                       args.kv_memory_mib)
+                       args.kv_memory_mib, format_version=args.format_version)
   on_gpu = jax.default_backend() == "gpu"
   engine = Engine(ModelDecoder(model.config, args.temperature, args.seed),
                   PagedBackend(cfg, encoder="pallas" if on_gpu else "reference"), model.params, tensor_parallel=tp)
@@ -179,6 +181,7 @@ def run(args: argparse.Namespace, out=None, err=None) -> dict:
   alloc = engine.allocator
   stats = dict(
       model=model.config.name, source=model.source, kv=args.kv, kv_backend="serving-engine",
+      format_version=args.format_version if compressed else None,
       tensor_parallel=args.tensor_parallel,
       attention="fused Pallas kernel" if on_gpu else "jnp reference", prompts=len(args.prompt),
       prompt_tokens=sum(len(p) for p in prompt_ids), new_tokens=new_tokens, elapsed_s=elapsed,

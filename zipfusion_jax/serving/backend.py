@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from zipfusion_jax.format import block as B
 from zipfusion_jax.format import codec
 from zipfusion_jax.paged.api import decompress_then_attend, paged_decode_attention
-from zipfusion_jax.paged.cache import PagedKVCache, encode_page_blocks, kv_page_blocks, pad_absent_slots
+from zipfusion_jax.paged.cache import (PagedKVCache, encode_page_blocks, encode_page_blocks_v2, kv_page_blocks,
+                                       pad_absent_slots)
 from zipfusion_jax.serving import packing
 from zipfusion_jax.serving.state import PAGE_SIZE, Plan, ServingConfig, ServingState
 
@@ -41,22 +42,26 @@ def _valid(index: jax.Array, size: int) -> jax.Array:
   return jnp.where((index >= 0) & (index < size), index, size)
 
 
-def _encode(pages: jax.Array, encoder: Encoder):
-  """bfloat16 [N, Hkv, 2, 16, D] -> (rows uint8 [N, Hkv, 2, nb, 1024], meta_bytes int32 [N, Hkv, 2, 4])."""
+def _encode(pages: jax.Array, encoder: Encoder, version: int = 1):
+  """bfloat16 [N, Hkv, 2, 16, D] -> (rows uint8 [N, Hkv, 2, nb, 1024], meta_bytes int32 [N, Hkv, 2, 4],
+  exception entries int32 [N, Hkv, 2, 4] (format version 2) or None)."""
   if encoder == "reference":
-    return encode_page_blocks(pages)
+    return encode_page_blocks_v2(pages) if version == 2 else (*encode_page_blocks(pages), None)
   if encoder != "pallas":
     raise ValueError(f"{encoder=} must be 'reference' or 'pallas'")
   from pallas_kernels.compress import compress_pallas  # kernels sit above the format
 
   blocks = kv_page_blocks(pages)  # [N, Hkv, 2, nb, 512]
-  c = compress_pallas(blocks.reshape(-1, B.VALUES_PER_BLOCK))
+  c = compress_pallas(blocks.reshape(-1, B.VALUES_PER_BLOCK), version=version)
   # The kernel packs blocks back to back; read each block's 1024-byte window back as its row.
   starts = codec.block_byte_offsets(c.group_meta).reshape(-1)[: c.num_blocks]
   index = starts[:, None] + jnp.arange(B.ROW_BYTES, dtype=jnp.int32)[None, :]
   rows = jnp.take(c.payload, index, mode="fill", fill_value=0).reshape(*blocks.shape[:-1], B.ROW_BYTES)
-  meta = c.meta_bytes.reshape(-1)[: c.num_blocks].reshape(blocks.shape[:-1])
-  return rows, pad_absent_slots(meta)
+  per_block = lambda x: x.reshape(-1)[: c.num_blocks].reshape(blocks.shape[:-1])
+  exceptions = None
+  if version == 2:  # absent slots (head_dim 64) carry no exception
+    exceptions = jnp.pad(per_block(c.exceptions), [(0, 0)] * 3 + [(0, B.BLOCKS_PER_GROUP - blocks.shape[3])])
+  return rows, pad_absent_slots(per_block(c.meta_bytes)), exceptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +220,7 @@ class PagedBackend:
     C, P = cfg.num_chunks, cfg.num_page_ids
     completes = page_ids >= 0
     if cfg.compressed:
-      rows, meta_bytes = _encode(pages, self.encoder)  # [N, Hkv, 2, nb, 1024], [N, Hkv, 2, 4]
+      rows, meta_bytes, exceptions = _encode(pages, self.encoder, cfg.format_version)  # [N, Hkv, 2, nb, 1024], [N, Hkv, 2, 4] x2
       group_units = jnp.sum(B.block_units(meta_bytes), axis=-1)  # [N, Hkv, 2]
     else:
       group_units = jnp.full((n, cfg.num_kv_heads, 2), cfg.page_units // cfg.groups_per_page, jnp.int32)
@@ -243,9 +248,11 @@ class PagedBackend:
     flat_units = group_units.reshape(n, -1)
     group_start = start[:, None] + jnp.cumsum(flat_units, axis=1) - flat_units  # [N, 2 Hkv]
     group_start = group_start.reshape(n, cfg.num_kv_heads, 2)
-    meta = codec.make_group_meta(group_start.reshape(-1), meta_bytes.reshape(-1, B.BLOCKS_PER_GROUP))
-    # (layer, :, ids) indexing puts the page axis first: the update is [N, Hkv, 2, 2].
-    group_meta = state.group_meta.at[layer, :, safe_ids].set(meta.reshape(n, cfg.num_kv_heads, 2, 2), mode="drop")
+    flat = lambda x: None if x is None else x.reshape(-1, B.BLOCKS_PER_GROUP)
+    meta = codec.make_group_meta(group_start.reshape(-1), flat(meta_bytes), cfg.format_version, flat(exceptions))
+    # (layer, :, ids) indexing puts the page axis first: the update is [N, Hkv, 2, words].
+    group_meta = state.group_meta.at[layer, :, safe_ids].set(meta.reshape(n, cfg.num_kv_heads, 2, cfg.meta_words),
+                                                             mode="drop")
     # Rows as 4 units each; a unit is stored iff it lies inside the block's stored size.
     nb = cfg.blocks_per_page
     block_start = group_start[..., None] + codec.block_offsets_in_group(meta_bytes)[..., :nb]  # [N, Hkv, 2, nb]

@@ -123,9 +123,9 @@ def _device_violations(backend: PagedBackend, host: dict, alloc: ChunkAllocator,
     if np.any(host["page_slot"][:, ids] // cfg.chunk_pages != chunk):
       out.append("a page's pool slot lies outside its chunk")
     return out
-  meta = host["group_meta"][:, :, ids]  # [L, Hkv, n, 2, 2]
-  if np.any(meta[..., 0] >> B.VERSION_SHIFT != B.FORMAT_VERSION):
-    out.append("a live group's metadata is not version 1")
+  meta = host["group_meta"][:, :, ids]  # [L, Hkv, n, 2, 2 or 4]
+  if np.any(meta[..., 0] >> B.VERSION_SHIFT != cfg.format_version):
+    out.append(f"a live group's metadata is not version {cfg.format_version}")
   start = (meta[..., 0] & B.OFFSET_MASK).astype(np.int64)
   size = np.asarray(B.block_units(codec.unpack_meta_bytes(jnp.asarray(meta[..., 1])))).sum(-1)
   if not np.array_equal(size.sum(axis=(1, 3)), alloc.page_size[:, ids]):

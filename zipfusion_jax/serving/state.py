@@ -49,6 +49,8 @@ class ServingConfig:
     chunk_pages: raw pages of one layer per chunk (chunk size = chunk_pages * page_units).
     num_page_ids: page descriptors (<= num_slots * max_pages is always enough).
     compressed: completed pages in the 12-bit format (else BF16).
+    format_version: of the compressed pages (docs/FORMAT.md): 1, or 2 (one exception per
+      block, 16-byte group records).
   """
 
   num_layers: int
@@ -60,9 +62,12 @@ class ServingConfig:
   chunk_pages: int = 32  # measured: 16 -> 1.250x, 32 -> 1.275x, 64 -> 1.281x tokens at Llama-3.1-8B shapes, 4 GiB (ideal 1.292x)
   num_page_ids: int = 0  # 0: derived (see __post_init__)
   compressed: bool = True
+  format_version: int = B.FORMAT_VERSION
 
   def __post_init__(self):
     layout.check_head_dim(self.head_dim)
+    if self.format_version not in B.FORMAT_VERSIONS:
+      raise ValueError(f"format_version={self.format_version} is not one of {B.FORMAT_VERSIONS}")
     for name in ("num_layers", "num_kv_heads", "num_slots", "max_pages", "num_chunks", "chunk_pages"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -146,8 +151,13 @@ class ServingConfig:
   @property
   def metadata_bytes(self) -> int:
     """Device bytes locating pages (group_meta, or page_slot)."""
-    per = self.num_kv_heads * 2 * B.GROUP_META_BYTES if self.compressed else 4
+    per = self.num_kv_heads * 2 * 4 * self.meta_words if self.compressed else 4
     return self.num_layers * self.num_page_ids * per
+
+  @property
+  def meta_words(self) -> int:
+    """uint32 words of one group record: 2 (version 1) or 4 (version 2)."""
+    return (B.GROUP_META_BYTES if self.format_version == 1 else B.GROUP_META_BYTES_V2) // 4
 
   @property
   def store_bytes(self) -> int:
@@ -227,7 +237,7 @@ def init_state(cfg: ServingConfig) -> ServingState:
     return ServingState(
         **common,
         arena=jnp.zeros((cfg.store_units, B.UNIT_BYTES), jnp.uint8),
-        group_meta=jnp.zeros((L, H, P, 2, 2), jnp.uint32),
+        group_meta=jnp.zeros((L, H, P, 2, cfg.meta_words), jnp.uint32),
     )
   pool = lambda: jnp.zeros((H, cfg.num_chunks * cfg.chunk_pages, PAGE_SIZE, D), jnp.bfloat16)
   return ServingState(**common, k_pages=pool(), v_pages=pool(), page_slot=jnp.zeros((L, P), jnp.int32))
