@@ -9,12 +9,18 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
 python3 -m benchmarks.fused_kernel_check --out "$out/fused_kernel_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion"
+# Format version 2 next to version 1 (rows zipfusion_compressed_v2 in the attention table below).
+python3 -m benchmarks.fused_kernel_check --quick --sweep '[{}, {"stages":2}, {"stages":3,"timing_probe":"copies"}]' --out "$out/fused_kernel_v2_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion"
 python3 -m benchmarks.attention --out "$out/attention_h200.json" 2>&1 | grep -vE "^\s*$|Warning"
 python3 -m benchmarks.generate --batch 32 --context 8192 --out "$out/generate_h200.json" 2>&1 | tail -8
 python3 -m benchmarks.capacity --overhead --out "$out/allocator_overhead_h200.json" 2>&1 | tail -5
 python3 -m benchmarks.tp --tp 1 --out "$out/tp_h200.json" 2>&1 | tail -6
 # End-to-end under one KV budget (long: run on its own call, one model per call if needed).
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m benchmarks.e2e --models llama3.1-8b,qwen3-8b --contexts 8192 --steps 256 --decomposition --out "$out/e2e_h200.json" 2>&1 | grep "tok/s"
+# Format version 2's store next to version 1's and BF16 pages (one model per call).
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --systems zipfusion,zipfusion_v2,uncompressed --steps 256 --out "$out/e2e_v2_h200.json" 2>&1 | grep "tok/s"
+# FlashInfer next to the fused kernel and cuDNN (carry the two wheels: docs in benchmarks/flashinfer_peer.py).
+# python3 -m benchmarks.flashinfer_peer --out "$out/attention_flashinfer_h200.json"
 # The same at the embedded model's real-KV eligibility (outlier channels planted in the random weights).
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --steps 256 --kv-stats real --out "$out/e2e_h200_real_kv.json" 2>&1 | grep "tok/s"
 # What the decode step's non-attention time is made of (per-kernel CUPTI, grouped), zipfusion vs uncompressed.
