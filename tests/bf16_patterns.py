@@ -47,6 +47,21 @@ def numpy_block_rule(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return (e.max(axis=-1) <= b + 15), b // 2
 
 
+def numpy_block_rule_v2(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(slot byte, exception entry) per block, from the words of docs/FORMAT.md §9 (sorting, not
+  the package's reductions): version 1's window; else the largest value set aside; else the
+  smallest; each only with b/2 <= 125; else raw."""
+  e = (bits.astype(np.int32) >> 7) & 0xFF
+  s = np.sort(e, axis=-1)
+  lo1, lo2, hi2, hi1 = s[..., 0], s[..., 1], s[..., -2], s[..., -1]
+  fits = lambda lo, hi: hi <= (lo - lo % 2) + 15
+  top, low = fits(lo1, hi2) & (lo1 // 2 <= 125), fits(lo2, hi1) & (lo2 // 2 <= 125)
+  slot = np.where(fits(lo1, hi1), lo1 // 2, np.where(top, 0x80 | lo1 // 2, np.where(low, 0x80 | lo2 // 2, 0xFF)))
+  first = lambda x: np.argmax(e == x[..., None], axis=-1)
+  entry = np.where(top, first(hi1) | (hi1 // 2) << 9, first(lo1) | (lo1 // 2) << 9)
+  return slot, np.where((slot >= 0x80) & (slot != 0xFF), entry, 0)
+
+
 SLOT_UNITS = {0xFF: 4, 0xFE: 0}  # raw, absent; b/2 values 0..127 (and version 2's 0x80 | b/2) take 3 units
 
 

@@ -16,7 +16,7 @@ from hypothesis import given
 from test_properties import blocks as random_blocks
 
 import zipfusion_jax as zf
-from bf16_patterns import ALL_PATTERNS, as_bf16, numpy_decode
+from bf16_patterns import ALL_PATTERNS, as_bf16, numpy_block_rule_v2, numpy_decode
 from zipfusion_jax.format import block as B
 from zipfusion_jax.format.codec import CompressedBlocks
 
@@ -196,6 +196,9 @@ def test_api_refuses_unknown_versions_and_the_single_pass_kernel_for_version_2()
 @given(random_blocks())
 def test_version_2_pages_round_trip_and_never_store_more_payload(bits):
   c2, c1 = round_trip(bits), round_trip(bits, version=1)
+  slot, entry = numpy_block_rule_v2(bits)  # an independent reading of the rule
+  np.testing.assert_array_equal(slot_bytes(c2), slot)
+  np.testing.assert_array_equal(exception_entries(c2), entry)
   assert int(c2.payload_units) <= int(c1.payload_units)
   v1_ok = np.asarray(c1.compressible)
   np.testing.assert_array_equal(slot_bytes(c2)[v1_ok], slot_bytes(c1)[v1_ok])  # version 1's choice where it had one
