@@ -91,7 +91,7 @@ def _real_page_units(k, v, cfg: ServingConfig) -> np.ndarray:
   n = tokens // PAGE_SIZE
   pages = jnp.stack([k, v], 2)[:, : n * PAGE_SIZE]  # [L, T, 2, Hkv, D]
   pages = pages.reshape(layers, n, PAGE_SIZE, 2, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1, 4, 3, 2, 5)
-  _, meta = encode_page_blocks(pages)
+  _, meta, _ = encode_page_blocks(pages)
   return np.asarray(B.block_units(meta)).sum(axis=(2, 3, 4))
 
 

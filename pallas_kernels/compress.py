@@ -332,7 +332,8 @@ def _compress_bits(bits2d: jax.Array, *, num_blocks: int, config: CompressConfig
     payload_rows, meta, offsets, total_units = _single_pass(bits2d.reshape(n * LOW_ROWS, 4), num_blocks, config, interpret)
     group_meta = codec.make_group_meta(offsets, meta.reshape(-1, B.BLOCKS_PER_GROUP))
     return payload_rows.reshape(-1)[: num_blocks * B.ROW_BYTES], group_meta[:groups], total_units
-  meta, exceptions = (_plan(bits2d, config, interpret, 1)[0], None) if version == 1 else _plan(bits2d, config, interpret, 2)
+  planned = _plan(bits2d, config, interpret, version)  # [meta bytes] or [meta bytes, exception entries]
+  meta, exceptions = planned[0], (planned[1] if version == 2 else None)
   if n > num_blocks:  # padding rows become absent slots
     meta = jnp.where(jnp.arange(n) < num_blocks, meta, B.META_ABSENT)
   group_offsets, group_meta, total_units = codec.pack_groups(

@@ -114,7 +114,7 @@ def _page_sizes(cfg, n, seed=0):
   for layer in range(cfg.num_layers):
     k, v = model.kv_bits(np, toks, np.arange(n * 16), layer)
     pages = np.stack([k, v], 1).reshape(n, 16, 2, cfg.num_kv_heads, cfg.head_dim).transpose(0, 3, 2, 1, 4)
-    _, meta = encode_page_blocks(jax.numpy.asarray(pages.view(ml_dtypes.bfloat16)))
+    _, meta, _ = encode_page_blocks(jax.numpy.asarray(pages.view(ml_dtypes.bfloat16)))
     out.append(np.asarray(B.block_units(meta)).sum(axis=(1, 2, 3)))
   return np.stack(out)
 

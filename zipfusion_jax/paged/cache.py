@@ -175,29 +175,25 @@ def paged_cache_from_dense(k, v, lengths, page_size: int = PAGE_SIZE, compressed
   return PagedKVCache(**common, arena=arena, group_meta=group_meta, compressed=True)
 
 
-def encode_page_blocks(pages: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Encode K/V pages block by block in format version 1 (no placement).
+def encode_page_blocks(pages: jax.Array, version: int = 1) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """Encode K/V pages block by block (no placement).
 
   Args:
     pages: bfloat16 [..., 2 (K, V), 16, D].
+    version: format version (1, or 2: one exception per block).
 
   Returns:
     (rows uint8 [..., 2, nblocks, 1024] from `encode_rows`, meta_bytes int32
-    [..., 2, 4]: the group slot bytes, META_ABSENT past the page's blocks).
+    [..., 2, 4]: the group slot bytes, META_ABSENT past the page's blocks,
+    exception entries int32 [..., 2, 4] (version 2; 0 past the page's blocks) or None).
   """
   bits = B.to_bits(kv_page_blocks(pages))  # [..., 2, nblocks, 512]
-  eligible, half_base = B.block_half_base(bits)
-  meta_byte = B.block_meta_byte(eligible, half_base)  # [..., 2, nblocks]
-  return B.encode_rows(bits, meta_byte), pad_absent_slots(meta_byte)
-
-
-def encode_page_blocks_v2(pages: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`encode_page_blocks` in format version 2: (rows, meta_bytes, exception entries int32 [..., 2, 4])."""
-  bits = B.to_bits(kv_page_blocks(pages))
-  meta_byte, exception = B.block_rule_v2(bits)
-  nothing = jnp.zeros((*exception.shape[:-1], B.BLOCKS_PER_GROUP - exception.shape[-1]), jnp.int32)
-  return (B.encode_rows(bits, meta_byte, exception), pad_absent_slots(meta_byte),
-          jnp.concatenate([exception, nothing], axis=-1))
+  if version == 1:
+    meta_byte, exception = B.block_meta_byte(*B.block_half_base(bits)), None  # [..., 2, nblocks]
+  else:
+    meta_byte, exception = B.block_rule_v2(bits)
+  exceptions = None if exception is None else pad_absent_slots(exception, fill=0)
+  return B.encode_rows(bits, meta_byte, exception), pad_absent_slots(meta_byte), exceptions
 
 
 def kv_page_blocks(pages: jax.Array) -> jax.Array:
@@ -205,9 +201,9 @@ def kv_page_blocks(pages: jax.Array) -> jax.Array:
   return jnp.stack([layout.pages_to_blocks(pages[..., i, :, :], kind) for i, kind in enumerate(KINDS)], axis=-3)
 
 
-def pad_absent_slots(meta_byte: jax.Array) -> jax.Array:
-  """int32 [..., nblocks] -> [..., 4]: a page's group slot bytes, META_ABSENT past its blocks."""
-  absent = jnp.full((*meta_byte.shape[:-1], B.BLOCKS_PER_GROUP - meta_byte.shape[-1]), B.META_ABSENT, jnp.int32)
+def pad_absent_slots(meta_byte: jax.Array, fill: int = B.META_ABSENT) -> jax.Array:
+  """int32 [..., nblocks] -> [..., 4]: a page's group slot bytes, `fill` (META_ABSENT) past its blocks."""
+  absent = jnp.full((*meta_byte.shape[:-1], B.BLOCKS_PER_GROUP - meta_byte.shape[-1]), fill, jnp.int32)
   return jnp.concatenate([meta_byte, absent], axis=-1)
 
 
@@ -216,10 +212,8 @@ def _encode_pages(pages: jax.Array, version: int):
   """bfloat16 [Hkv, P, 2, 16, D] -> (payload uint8 [cap], group_meta uint32 [Hkv, P, 2, 2 or 4], units)."""
   kv_heads, num_pages, _, _, head_dim = pages.shape
   nblocks = layout.blocks_per_page(head_dim)
-  if version == 1:
-    (rows, meta_bytes), exceptions = encode_page_blocks(pages), None
-  else:
-    rows, meta_bytes, exceptions = encode_page_blocks_v2(pages)
+  rows, meta_bytes, exceptions = encode_page_blocks(pages, version)
+  if exceptions is not None:
     exceptions = exceptions.reshape(-1, B.BLOCKS_PER_GROUP)
   meta_bytes = meta_bytes.reshape(-1, B.BLOCKS_PER_GROUP)
   _, group_meta, units = codec.pack_groups(meta_bytes, version, exceptions)

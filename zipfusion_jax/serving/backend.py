@@ -28,8 +28,7 @@ import jax.numpy as jnp
 from zipfusion_jax.format import block as B
 from zipfusion_jax.format import codec
 from zipfusion_jax.paged.api import decompress_then_attend, paged_decode_attention
-from zipfusion_jax.paged.cache import (PagedKVCache, encode_page_blocks, encode_page_blocks_v2, kv_page_blocks,
-                                       pad_absent_slots)
+from zipfusion_jax.paged.cache import PagedKVCache, encode_page_blocks, kv_page_blocks, pad_absent_slots
 from zipfusion_jax.serving import packing
 from zipfusion_jax.serving.state import PAGE_SIZE, Plan, ServingConfig, ServingState
 
@@ -46,7 +45,7 @@ def _encode(pages: jax.Array, encoder: Encoder, version: int = 1):
   """bfloat16 [N, Hkv, 2, 16, D] -> (rows uint8 [N, Hkv, 2, nb, 1024], meta_bytes int32 [N, Hkv, 2, 4],
   exception entries int32 [N, Hkv, 2, 4] (format version 2) or None)."""
   if encoder == "reference":
-    return encode_page_blocks_v2(pages) if version == 2 else (*encode_page_blocks(pages), None)
+    return encode_page_blocks(pages, version)
   if encoder != "pallas":
     raise ValueError(f"{encoder=} must be 'reference' or 'pallas'")
   from pallas_kernels.compress import compress_pallas  # kernels sit above the format
@@ -58,9 +57,7 @@ def _encode(pages: jax.Array, encoder: Encoder, version: int = 1):
   index = starts[:, None] + jnp.arange(B.ROW_BYTES, dtype=jnp.int32)[None, :]
   rows = jnp.take(c.payload, index, mode="fill", fill_value=0).reshape(*blocks.shape[:-1], B.ROW_BYTES)
   per_block = lambda x: x.reshape(-1)[: c.num_blocks].reshape(blocks.shape[:-1])
-  exceptions = None
-  if version == 2:  # absent slots (head_dim 64) carry no exception
-    exceptions = jnp.pad(per_block(c.exceptions), [(0, 0)] * 3 + [(0, B.BLOCKS_PER_GROUP - blocks.shape[3])])
+  exceptions = None if version == 1 else pad_absent_slots(per_block(c.exceptions), fill=0)
   return rows, pad_absent_slots(per_block(c.meta_bytes)), exceptions
 
 
