@@ -81,7 +81,7 @@ def eligibility_report(x, kind: Kind, version: int = 1) -> EligibilityReport:
   eligible = np.asarray(_block_eligibility(B.to_bits(blocks), version))
   units = np.where(eligible, B.COMPRESSED_UNITS, B.RAW_UNITS)
   groups = -(-pages * blocks.shape[3] // B.BLOCKS_PER_GROUP)
-  meta_bytes = B.GROUP_META_BYTES if version == 1 else B.GROUP_META_BYTES_V2
+  meta_bytes = B.GROUP_RECORD_BYTES[version]
   stored = units.sum(axis=(2, 3)) * B.UNIT_BYTES + groups * meta_bytes
   values = pages * layout.PAGE_SIZE * head_dim
   return EligibilityReport(

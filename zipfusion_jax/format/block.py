@@ -39,6 +39,7 @@ RAW_UNITS = 4  # 1024 bytes
 ROW_BYTES = RAW_UNITS * UNIT_BYTES
 GROUP_META_BYTES = 8  # version 1: offset word + slot-byte word
 GROUP_META_BYTES_V2 = 16  # version 2: + two words of 16-bit exception entries
+GROUP_RECORD_BYTES = {1: GROUP_META_BYTES, 2: GROUP_META_BYTES_V2}  # format version -> group record size
 
 # Per-block metadata byte.
 MAX_HALF_BASE = 127  # 0..127: compressed, the byte is b/2

@@ -151,13 +151,13 @@ class ServingConfig:
   @property
   def metadata_bytes(self) -> int:
     """Device bytes locating pages (group_meta, or page_slot)."""
-    per = self.num_kv_heads * 2 * 4 * self.meta_words if self.compressed else 4
+    per = self.num_kv_heads * 2 * B.GROUP_RECORD_BYTES[self.format_version] if self.compressed else 4
     return self.num_layers * self.num_page_ids * per
 
   @property
   def meta_words(self) -> int:
     """uint32 words of one group record: 2 (version 1) or 4 (version 2)."""
-    return (B.GROUP_META_BYTES if self.format_version == 1 else B.GROUP_META_BYTES_V2) // 4
+    return B.GROUP_RECORD_BYTES[self.format_version] // 4
 
   @property
   def store_bytes(self) -> int:
