@@ -296,13 +296,20 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
           out.append((is_page, (store_a, store_b)[kind].at[kvh, chunk_smem[local + s, 0]], tile.at[stage, rows]))
         return [] if timing_probe == "compute" else out
 
-      for s in range(STEP_PAGES):  # the consumer's per-slot record: flags, K word1, V word1
-        is_page, is_tail = slot_flags(s)
-        info_smem[stage, s, 0] = jnp.where(is_page, R.FLAG_PAGE, jnp.where(is_tail, R.FLAG_TAIL, 0)).astype(jnp.int32)
-        for kind in range(2):
-          info_smem[stage, s, 1 + kind] = chunk_smem[local + s, 2 + kind_words * kind] if compressed else jnp.int32(0)
-          for w in range(2 * (version - 1)):  # version 2: the kind's words 2, 3 (exception entries)
-            info_smem[stage, s, R.INFO_WORDS + 2 * kind + w] = chunk_smem[local + s, 4 + kind_words * kind + w]
+      flags = [jnp.where(is_page, R.FLAG_PAGE, jnp.where(is_tail, R.FLAG_TAIL, 0)).astype(jnp.int32)
+               for is_page, is_tail in map(slot_flags, range(STEP_PAGES))]
+      # The consumer's per-slot record: flags, then the chunk words of P.info_fields (word1s,
+      # version 2: exception words), one word per producer thread.
+      if interpret:  # inline PTX is not interpretable: the same record, one scalar store at a time
+        for s in range(STEP_PAGES):
+          info_smem[stage, s, 0] = flags[s]
+          for w, field in enumerate(P.info_fields(version)):
+            info_smem[stage, s, 1 + w] = chunk_smem[local + s, field] if compressed else jnp.int32(0)
+      else:
+        splat = plgpu.Layout.WG_SPLAT(shape=())
+        plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), *(splat,) * (2 + STEP_PAGES)))(
+            lambda ctx, *args: P.write_step_info(*args, version=version, compressed=compressed))(
+                chunk_smem, info_smem, stage, local, *flags)
       plgpu.commit_smem()  # every producer thread's info stores land before the arrival below
       plgpu.barrier_arrive(bar)
 

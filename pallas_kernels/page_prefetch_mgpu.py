@@ -1,7 +1,8 @@
 """Cooperative prefetch of a split's page-table entries and group metadata into SMEM.
 
 Mosaic GPU code for `plgpu.inline_mgpu`, run by the producer warpgroup of
-`decode_attention.py` once per `CHUNK_PAGES` pages. Read one scalar at a time,
+`decode_attention.py`: `gather_pages` once per `CHUNK_PAGES` pages, `write_step_info`
+once per step. Read one scalar at a time,
 each step's copies waited on two dependent global loads (page table, then the
 page's metadata words), about 1 µs each under full HBM load; here the 128
 producer threads load one page each in parallel (a 16-byte vector load for the
@@ -11,7 +12,7 @@ metadata), so a chunk costs one round trip instead of two per step.
 from __future__ import annotations
 
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm
+from jax._src.lib.mlir.dialects import arith, llvm, scf
 from jax.experimental.mosaic.gpu import utils as mu
 
 from pallas_kernels.restore_mgpu import RAW, _c, _eq, _i32, _scalar, _slot_byte
@@ -69,3 +70,52 @@ def gather_pages(page_table_ref, meta_ref, chunk_ref, row_start, row_end, kvh, *
       for f, value in enumerate(fields):
         llvm.store(value, mu.getelementptr(out, [arith.addi(entry, _c(1 + KIND_WORDS[version] * kind + f))], _i32()))
   mu.warpgroup_barrier()  # the chunk is visible to every producer thread
+
+
+def info_fields(version: int) -> tuple[int, ...]:
+  """Chunk-entry column of each info word after the flags: K word1, V word1 (version 2: then
+  K words 2, 3 and V words 2, 3)."""
+  kw = KIND_WORDS[version]
+  fields = (2, 2 + kw)
+  if version == 2:
+    fields += (4, 5, 4 + kw, 5 + kw)
+  return fields
+
+
+def write_step_info(chunk_ref, info_ref, stage, local, *flags, version, compressed):
+  """info_ref[stage, s] = (flags[s], chunk words of `info_fields`) for the step's 4 slots.
+
+  One word per producer thread, all stored at once. (A Pallas scalar store costs two
+  warpgroup barriers and a load of the old value: 12 such stores per step in version 1
+  and 28 in version 2 serialized the producer.) The caller's `commit_smem` (fence + warpgroup
+  barrier) orders the stores before the step's arrival.
+
+  Args:
+    chunk_ref: SMEM i32 [CHUNK_PAGES, entry_words(version)]; info_ref: SMEM i32 [stages, 4, W],
+      W = 1 + len(info_fields(version)).
+    stage, local: i32 splats, the ring stage and the step's first chunk entry.
+    flags: 4 i32 splats, each slot's FLAG_PAGE / FLAG_TAIL / 0.
+  """
+  fields = info_fields(version)
+  words = 1 + len(fields)
+  stage, local, *flags = (_scalar(x) for x in (stage, local, *flags))
+  tid = arith.remui(mu.thread_idx(), _c(128))
+  slot, word = arith.divui(tid, _c(words)), arith.remui(tid, _c(words))
+  flag = flags[0]
+  for s in range(1, len(flags)):
+    flag = arith.select(_eq(slot, _c(s)), flags[s], flag)
+  column = _c(fields[0])
+  for w in range(1, len(fields)):
+    column = arith.select(_eq(word, _c(1 + w)), _c(fields[w]), column)
+  op = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, tid, _c(len(flags) * words)))
+  with ir.InsertionPoint(op.then_block):
+    value = flag
+    if compressed:
+      entry = arith.addi(arith.muli(arith.addi(local, slot), _c(entry_words(version))), column)
+      loaded = llvm.load(_i32(), mu.getelementptr(mu.memref_ptr(chunk_ref), [entry], _i32()))
+      value = arith.select(_eq(word, _c(0)), flag, loaded)
+    else:
+      value = arith.select(_eq(word, _c(0)), flag, _c(0))
+    dest = arith.addi(arith.muli(stage, _c(len(flags) * words)), tid)
+    llvm.store(value, mu.getelementptr(mu.memref_ptr(info_ref), [dest], _i32()))
+    scf.yield_([])
