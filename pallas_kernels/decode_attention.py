@@ -141,9 +141,12 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   nb = head_dim // 32
   kvh, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
   wg = lax.axis_index("wg")
-  (q_smem, k_smem, v_smem, byte_smem, info_smem, chunk_smem, pt_smem, o_smem, lse_smem), (
-      q_bar, load_bars, consumed_bars) = scoped
+  (q_smem, stream_or_epilogue, info_smem, chunk_smem, pt_smem), (q_bar, load_bars, consumed_bars) = scoped
   in_registers = compressed and not interpret  # restore straight into wgmma A fragments
+  stream, (o_smem, lse_smem) = stream_or_epilogue  # one SMEM region: the ring, then O and LSE
+  stream = iter(stream)
+  k_smem, v_smem = (None, None) if in_registers else (next(stream), next(stream))
+  byte_smem = next(stream) if compressed else None
   tails_in_tiles = not in_registers  # else the tail page lands in its slot of the byte stage
 
   length = lengths_ref[b]
@@ -398,17 +401,18 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   version = cache.format_version or 1
   in_registers = cache.compressed and not interpret
   tile = lambda shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=_TRANSFORMS)
+  # The stage ring (BF16 tiles and / or the byte stage) is dead once the step loop ends: the epilogue's
+  # O and LSE reuse its SMEM (6 KB at D = 128, which keeps 3 stages of format 2 at two CTAs per SM).
+  stream = (() if in_registers else (tile((stages, STEP_TOKENS, head_dim)),) * 2) + (
+      (plgpu.SMEM((stages, 2, STEP_PAGES, 4 * nb, R.UNIT), jnp.uint8),) if cache.compressed else ())
+  epilogue = (plgpu.SMEM((head_dim, QROWS), jnp.float32), plgpu.SMEM((STEP_TOKENS, QROWS), jnp.float32))
   scratch = (
       (
           tile((QROWS, head_dim)),
-          None if in_registers else tile((stages, STEP_TOKENS, head_dim)),
-          None if in_registers else tile((stages, STEP_TOKENS, head_dim)),
-          plgpu.SMEM((stages, 2, STEP_PAGES, 4 * nb, R.UNIT), jnp.uint8) if cache.compressed else None,
+          plgpu.RefUnion(stream, epilogue),
           plgpu.SMEM((stages, STEP_PAGES, R.INFO_WORDS if version == 1 else R.INFO_WORDS_V2), jnp.int32),
           plgpu.SMEM((P.CHUNK_PAGES, P.entry_words(version)), jnp.int32),
           tile((QROWS, STEP_TOKENS)),
-          plgpu.SMEM((head_dim, QROWS), jnp.float32),
-          plgpu.SMEM((STEP_TOKENS, QROWS), jnp.float32),
       ),
       (
           plgpu.Barrier(num_barriers=1),
