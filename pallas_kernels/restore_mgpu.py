@@ -109,26 +109,30 @@ def _store32(ptr, offset, value):
   llvm.store(value, _gep(ptr, offset))
 
 
-def _load_fragment(block_ptr, frag, half_base):
-  """Loads and code decode of fragment `frag` (= 32c + lane, an i32) of the block at `block_ptr`.
+def _load_words(block_ptr, frag):
+  """The loads of fragment `frag` (= 32c + lane, an i32) of the block at `block_ptr`: (lx, ly, code,
+  rx, ry), the low words at `8k`, the code word at `512 + 4k` and the raw high words at
+  `512 + 8k` (past a compressed block's end, still inside the stage slot).
 
-  Branch-free, so the loads of all of a step's fragments can be in flight together: it
-  loads both the code word (`512 + 4k`) and the raw high words (`512 + 8k`, past a
-  compressed block's end, still inside the stage slot); `_finish_fragment` selects.
-  Returns (lx, ly, hx, hy, rx, ry): low words, high words as if compressed with b/2 =
-  `half_base`, high words as if raw.
+  Branch-free, so the loads of all of a step's fragments can be in flight together;
+  `_finish_fragment` selects raw or compressed high words.
   """
   lx, ly = _load64(block_ptr, arith.shli(frag, _c(3)))  # low bytes at 8k
   rx, ry = _load64(block_ptr, arith.addi(arith.shli(frag, _c(3)), _c(512)))
   code = _load32(block_ptr, arith.addi(arith.shli(frag, _c(2)), _c(512)))
-  bias = arith.muli(half_base, _c(0x01010101))
-  hx = arith.addi(arith.andi(code, _c(0x87878787 - (1 << 32))), bias)
+  return lx, ly, code, rx, ry
+
+
+def _decode_high(code, bias_x, bias_y):
+  """High words (Hx, Hy) from the code word: sign bits and d fields in place, plus a per-byte bias
+  (hb in every byte for a version-1 block, `exception_biases` for version 2)."""
+  hx = arith.addi(arith.andi(code, _c(0x87878787 - (1 << 32))), bias_x)
   hy = arith.addi(
       arith.ori(arith.andi(arith.shrui(code, _c(4)), _c(0x07070707)),
                 arith.andi(arith.shli(code, _c(4)), _c(0x80808080 - (1 << 32)))),
-      bias,
+      bias_y,
   )
-  return lx, ly, hx, hy, rx, ry
+  return hx, hy
 
 
 def _finish_fragment(lx, ly, hx, hy, rx, ry, slot_byte):
@@ -142,7 +146,9 @@ def _finish_fragment(lx, ly, hx, hy, rx, ry, slot_byte):
 
 def _decode_fragment(block_ptr, frag, slot_byte):
   """Format version 1: slot_byte i32 0..127 (compressed, = b/2) or 0xFF (raw)."""
-  return _finish_fragment(*_load_fragment(block_ptr, frag, slot_byte), slot_byte)
+  lx, ly, code, rx, ry = _load_words(block_ptr, frag)
+  bias = arith.muli(slot_byte, _c(0x01010101))
+  return _finish_fragment(lx, ly, *_decode_high(code, bias, bias), rx, ry, slot_byte)
 
 
 def _has_exception(slot_byte):
@@ -159,37 +165,60 @@ def _exception_entry(w2, w3, j):
   return arith.andi(arith.shrui(word, arith.shli(arith.andi(j, _c(1)), _c(4))), _c(0xFFFF))
 
 
-def _patch_exception(frag, entry, flagged, hx, hy):
-  """Version 2: if `flagged` and the entry's position p lies in fragment `frag` (p >> 3), replace
-  the low 7 bits of byte p & 3 of hx (p & 4 == 0) or hy with the entry's exponent >> 1."""
-  p = arith.andi(entry, _c((1 << FB.POSITION_BITS) - 1))
-  match = arith.andi(flagged, _eq(arith.shrui(p, _c(3)), frag))
-  shift = arith.shli(arith.andi(p, _c(3)), _c(3))
-  mask = arith.select(match, arith.shli(_c(0x7F), shift), _c(0))
-  value = arith.andi(arith.shli(arith.shrui(entry, _c(FB.POSITION_BITS)), shift), mask)
-  in_y = _eq(arith.andi(p, _c(4)), _c(4))
-  mx, my = arith.select(in_y, _c(0), mask), arith.select(in_y, mask, _c(0))
-  keep = lambda h, m: arith.ori(arith.andi(h, arith.xori(m, _c(-1))), arith.andi(value, m))
-  return keep(hx, mx), keep(hy, my)
+class MlirOps:
+  """The integer ops `exception_biases` uses, on i32 / i1 MLIR values (tests pass numpy ones)."""
+
+  and_, or_, xor = staticmethod(arith.andi), staticmethod(arith.ori), staticmethod(arith.xori)
+  shl, shr, mul, select = staticmethod(arith.shli), staticmethod(arith.shrui), staticmethod(arith.muli), staticmethod(arith.select)
+  eq = staticmethod(_eq)
+
+  @staticmethod
+  def const(v):
+    return _c(v - (1 << 32) if v >= 1 << 31 else v)
+
+
+def exception_biases(ops, frag, entry, flagged, half_base):
+  """Version 2: the biases (Bx, By) of `_decode_high` for fragment `frag` of a block with b/2 =
+  `half_base` and exception entry `entry` (`flagged`: the block has one).
+
+  Every byte is hb, except the exception's: its code has d = 0 (docs/FORMAT.md §9), so putting
+  its `e >> 1` in that byte of the bias decodes it exactly (sign from the code, no carry: e >> 1
+  <= 127), with no patch after the decode. Position p is byte p & 3 of Hx (p & 4 == 0) or Hy of
+  fragment p >> 3. Written against `ops` (MLIR or numpy) so the same code is tested off-GPU.
+  """
+  c = ops.const
+  bias = ops.mul(half_base, c(0x01010101))
+  p = ops.and_(entry, c((1 << FB.POSITION_BITS) - 1))
+  shift = ops.shl(ops.and_(p, c(3)), c(3))
+  others = ops.xor(ops.shl(c(0xFF), shift), c(0xFFFFFFFF))
+  folded = ops.or_(ops.and_(bias, others), ops.shl(ops.shr(entry, c(FB.POSITION_BITS)), shift))
+  hit = ops.and_(flagged, ops.eq(ops.shr(p, c(3)), frag))
+  half = ops.and_(p, c(4))
+  return (ops.select(ops.and_(hit, ops.eq(half, c(0))), folded, bias),
+          ops.select(ops.and_(hit, ops.eq(half, c(4))), folded, bias))
 
 
 def _decode_fragments_v2(parts):
   """Version 2: `parts` = [(block_ptr, frag, slot_byte, entry)] of one thread -> their words, flat.
 
-  The loads of every part are issued first (branch-free); the exception patch runs under one
-  warp-uniform branch, taken only when one of the parts' blocks has an exception."""
-  loaded = [_load_fragment(ptr, frag, arith.andi(slot, _c(FB.MAX_HALF_BASE))) for ptr, frag, slot, _ in parts]
+  The loads of every part are issued first (branch-free); the biases are plain hb unless one of
+  the parts' blocks has an exception, under one warp-uniform branch that reads only metadata, so
+  it runs while the loads are in flight and the decode itself is version 1's."""
+  loaded = [_load_words(ptr, frag) for ptr, frag, _, _ in parts]
+  half_bases = [arith.andi(slot, _c(FB.MAX_HALF_BASE)) for _, _, slot, _ in parts]
   flagged = [_has_exception(slot) for _, _, slot, _ in parts]
 
-  def patched():
-    return [h for (_, frag, _, entry), f, (_, _, hx, hy, _, _) in zip(parts, flagged, loaded)
-            for h in _patch_exception(frag, entry, f, hx, hy)]
+  def folded():
+    return [b for (_, frag, _, entry), f, hb in zip(parts, flagged, half_bases)
+            for b in exception_biases(MlirOps, frag, entry, f, hb)]
 
-  highs = _branch(functools.reduce(arith.ori, flagged), 2 * len(parts), patched,
-                  lambda: [h for part in loaded for h in part[2:4]])
+  def plain():
+    return [b for hb in half_bases for b in (arith.muli(hb, _c(0x01010101)),) * 2]
+
+  biases = _branch(functools.reduce(arith.ori, flagged), 2 * len(parts), folded, plain)
   words = []
-  for i, ((_, _, slot, _), (lx, ly, _, _, rx, ry)) in enumerate(zip(parts, loaded)):
-    words += _finish_fragment(lx, ly, highs[2 * i], highs[2 * i + 1], rx, ry, slot)
+  for i, ((_, _, slot, _), (lx, ly, code, rx, ry)) in enumerate(zip(parts, loaded)):
+    words += _finish_fragment(lx, ly, *_decode_high(code, biases[2 * i], biases[2 * i + 1]), rx, ry, slot)
   return words
 
 

@@ -18,6 +18,7 @@ from test_properties import blocks as random_blocks
 import zipfusion_jax as zf
 from bf16_patterns import ALL_PATTERNS, as_bf16, numpy_block_rule_v2, numpy_decode
 from zipfusion_jax.format import block as B
+from pallas_kernels import restore_mgpu
 from zipfusion_jax.format.codec import CompressedBlocks
 
 BACKGROUND_MIN_EXP = 112  # background blocks span exponents 112..127 (b = 112, b/2 = 56)
@@ -231,3 +232,65 @@ def test_paged_cache_in_version_2_attends_like_version_1(head_dim):
   np.testing.assert_array_equal(np.asarray(dta).view(np.uint16), np.asarray(out1).view(np.uint16))
   with pytest.raises(ValueError, match="version"):
     zf.paged_cache_from_dense(k, v, lengths, version=0)
+
+
+class NumpyOps:
+  """`restore_mgpu.exception_biases`'s integer ops on numpy uint32 / bool arrays."""
+
+  and_, or_, xor = np.bitwise_and, np.bitwise_or, np.bitwise_xor
+  shl, shr, mul, select, eq = np.left_shift, np.right_shift, np.multiply, np.where, np.equal
+
+  @staticmethod
+  def const(v):
+    return np.asarray(v, np.uint32)
+
+
+def register_decode(c: CompressedBlocks, fold: bool = True) -> tuple[np.ndarray, np.ndarray]:
+  """Every block through the fused kernel's in-register arithmetic (numpy): per fragment k, the
+  words at 8k / 512 + 4k, the high words `code bits + bias` with the version-2 biases of
+  `restore_mgpu.exception_biases` (the kernel's own function, numpy ops), the bytes interleaved
+  as prmt 0x5140 / 0x7362 do (`fold=False`: as if no block had an exception). Returns (uint16 [N, 512], compressed bool [N]); raw blocks, which
+  the kernel reads as BF16, are left zero."""
+  meta = np.asarray(c.group_meta).astype(np.uint32)
+  payload = np.asarray(c.payload)
+  slots = slot_bytes(c).astype(np.uint32).reshape(-1, 4)
+  units = np.where(slots == B.META_RAW, 4, np.where(slots == B.META_ABSENT, 0, 3))
+  starts = 256 * ((meta[:, :1] & ((1 << 30) - 1)) + np.cumsum(units, axis=1) - units)
+  starts, slots = starts.reshape(-1)[: c.num_blocks], slots.reshape(-1)[: c.num_blocks]
+  words = lambda offsets: payload[offsets[..., None] + np.arange(4)].astype(np.uint32) @ (1 << 8 * np.arange(4, dtype=np.uint32))
+  k = np.arange(64, dtype=np.uint32)
+  lx, ly = words(starts[:, None] + 8 * k), words(starts[:, None] + 8 * k + 4)
+  code = words(starts[:, None] + 512 + 4 * k)
+  flagged = ((slots >> 7) == 1) & (slots < B.META_ABSENT) & fold
+  entry = exception_entries(c).astype(np.uint32)
+  bx, by = restore_mgpu.exception_biases(NumpyOps, k[None], entry[:, None], flagged[:, None], (slots & 0x7F)[:, None])
+  hx = (code & np.uint32(0x87878787)) + bx
+  hy = (((code >> 4) & np.uint32(0x07070707)) | ((code << 4) & np.uint32(0x80808080))) + by
+  out = np.zeros((c.num_blocks, 64, 8), np.uint16)
+  for i in range(4):
+    byte = lambda w: ((w >> np.uint32(8 * i)) & np.uint32(0xFF)).astype(np.uint16)
+    out[:, :, i] = byte(hx) << 8 | byte(lx)
+    out[:, :, 4 + i] = byte(hy) << 8 | byte(ly)
+  return out.reshape(c.num_blocks, 512), slots != B.META_RAW
+
+
+def test_the_kernels_register_decode_folds_every_exception_into_its_bias():
+  """The fused kernel's version-2 decode (exception in the bias, no patch) on 65,536 blocks with
+  every BF16 pattern as the exception at every position, next to plain and raw blocks."""
+  rng = np.random.default_rng(11)
+  bits = background(rng, ALL_PATTERNS.size + 8)
+  rows, position = np.arange(ALL_PATTERNS.size), (np.arange(ALL_PATTERNS.size) * 7) % 512
+  position = np.where(np.isin(position, (1, 2)), 0, position)
+  bits[rows, position] = ALL_PATTERNS
+  bits[-4:, 3], bits[-4:, 4] = 0x7F80, 0x0001  # raw
+  c = zf.compress(as_bf16(bits), version=2)
+  restored, compressed = register_decode(c)
+  assert compressed[:-4].all() and not compressed[-4:].any()
+  meta = slot_bytes(c)
+  exceptions = ((meta & 0x80) != 0) & (meta < B.META_ABSENT)
+  assert exceptions.sum() > 0.9 * ALL_PATTERNS.size  # patterns outside the [112, 127] window
+  np.testing.assert_array_equal(restored[compressed], bits[compressed])
+  # The check can fail: without the fold exactly the exception blocks break (an exception's e >> 1
+  # lies outside the window, so it never equals hb = 56).
+  unfolded, _ = register_decode(c, fold=False)
+  np.testing.assert_array_equal(np.any(unfolded != bits, axis=1)[compressed], exceptions[compressed])
