@@ -9,12 +9,15 @@ version-2 rule (`block.block_rule_v2`, also giving each block's exception
 entry) and the pack kernel writes the exception's code with d = 0.
 
 `single_pass=True`: one kernel per tile of `tile_groups` groups reads its
-blocks from HBM once, posts the tile's size, finds its payload offset by a
+blocks from HBM once (one vector load), decides their rules and in-tile offsets
+with vector reductions, posts the tile's size, finds its payload offset by a
 decoupled look-back over earlier tiles (a ticket counter hands out tiles in
-launch order, so waiting cannot deadlock), then re-reads the blocks (L2) and
-writes them; a write-only kernel zeroes the tail. Exact, but measured slower
-on the H200 (1 GiB: 5.9 ms at one group per tile, 1.95 ms at 16, vs 0.83 ms
-two-pass), so it is not the default.
+launch order, so waiting cannot deadlock; each probe reads 32 predecessors'
+states at once), then re-reads each block (L2) and writes it with unrolled,
+independent stores; a write-only kernel zeroes the tail. Version 1 only. The
+previous single-pass design (per-group `fori_loop`s, one state per probe) was
+measured slower than two-pass on the H200 (1 GiB: 5.9 ms at one group per tile,
+1.95 ms at 16, vs 0.83 ms); this one is not yet measured on a GPU.
 
 Backend: Pallas Triton. Placement of variable-size blocks needs scalar
 address arithmetic and strided/masked stores, which the Triton lowering
@@ -187,59 +190,82 @@ def _pack_kernel(*refs, version: int):
 FLAG_AGGREGATE, FLAG_INCLUSIVE = 1, 2  # look-back states; value << 2 | flag, 0 = not yet
 
 
-def _single_pass_kernel(bits_ref, _ticket_in, _state_in, payload_ref, meta_ref, offset_ref, ticket_ref, state_ref,
-                        *, num_blocks: int, tile_groups: int):
-  # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array)
-  # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
-  # meta_ref:    int32 [groups * 4], offset_ref: int32 [groups] (written for this tile's groups)
-  # ticket_ref:  int32 [1], state_ref: int32 [tiles] (zero on entry, aliased in and out)
-  #
-  # Decoupled look-back over tiles of `tile_groups` groups: tiles are taken in ticket order (a
-  # ticket holder only waits on holders of smaller tickets, which are already running: no
-  # deadlock). A tile reads its blocks and posts its size, sums predecessors' sizes back to
-  # the first posted inclusive prefix, then reads its blocks again (from L2) and writes them.
-  t = pltr.atomic_add(ticket_ref, (jnp.int32(0),), jnp.int32(1))
-  g0 = t * tile_groups
+LOOK_BACK = 32  # predecessor states read per look-back probe (one vector atomic read)
 
-  def measure(i, size):
-    for k in range(B.BLOCKS_PER_GROUP):
-      blk = (g0 + i) * B.BLOCKS_PER_GROUP + k
-      x, y = _load_block(bits_ref, blk * LOW_ROWS)
-      present = (blk < num_blocks).astype(jnp.int32)
-      mb = present * _block_meta(x, y) + (1 - present) * B.META_ABSENT
-      meta_ref[blk] = mb
-      size = size + _block_units(mb)
-    return size
 
-  size = jax.lax.fori_loop(0, tile_groups, measure, t * 0)
-  first = (t == 0).astype(jnp.int32)
-  posted = (size << 2) | (FLAG_AGGREGATE + first)  # tile 0's size is its inclusive prefix
-  pltr.atomic_add(state_ref, (t,), posted)  # from 0 (adds: interpret mode has no exchange)
+def _tile_sizes(meta):
+  """meta int32 [n] (a tile's block bytes) -> (units [n], exclusive in-tile offsets [n])."""
+  units = _block_units(meta)
+  n = meta.shape[0]
+  before = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1) < jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  return units, jnp.sum(jnp.where(before, units[None, :], 0), axis=1)
+
+
+def _look_back(state_ref, t, first):
+  """Units of tiles 0 .. t - 1, by decoupled look-back over `state_ref` (value << 2 | flag).
+
+  Reads LOOK_BACK predecessors per probe (one vector atomic read): sums every aggregate after
+  the latest inclusive prefix in the window and stops there; re-probes the same window while
+  a tile after that prefix has posted nothing yet; else moves the window back.
+  """
+  lanes = jax.lax.broadcasted_iota(jnp.int32, (LOOK_BACK,), 0)
 
   def cond(carry):
     return carry[2] == 0
 
   def body(carry):
-    j, excl, _ = carry
-    s = pltr.atomic_add(state_ref, (j,), j * 0)  # an atomic read (a traced 0: no loop consts)
-    flag = s & 3
-    ready = (flag != 0).astype(jnp.int32)
-    return j - ready, excl + ready * (s >> 2), (flag == FLAG_INCLUSIVE).astype(jnp.int32)
+    hi, excl, _ = carry  # the window: tiles lo .. hi (state_ref is padded by LOOK_BACK entries)
+    lo = jnp.maximum(hi - (LOOK_BACK - 1), 0)
+    index = lo + lanes
+    valid = index <= hi
+    s = pltr.atomic_add(state_ref, (pl.ds(lo, LOOK_BACK),), jnp.zeros((LOOK_BACK,), jnp.int32))  # an atomic read
+    flag = jnp.where(valid, s & 3, 0)
+    newest = jnp.max(jnp.where(valid & (flag == FLAG_INCLUSIVE), index, -1))
+    counted = valid & (index >= newest)
+    complete = jnp.min(jnp.where(counted, (flag != 0).astype(jnp.int32), 1))
+    add = jnp.sum(jnp.where(counted, s >> 2, 0))
+    return hi - complete * (hi - lo + 1), excl + complete * add, complete * (newest >= 0).astype(jnp.int32)
 
-  _, excl, _ = jax.lax.while_loop(cond, body, (jnp.maximum(t - 1, 0), t * 0, first))
+  _, excl, _ = jax.lax.while_loop(cond, body, (t - 1, t * 0, first))
+  return excl
+
+
+def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref, meta_ref, offset_ref, ticket_ref,
+                        state_ref, *, num_blocks: int, tile_groups: int):
+  # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array; the pack layout of the blocks)
+  # blocks_ref:  uint16 [groups * 4, 512] (whole array; the same bytes, one block per row)
+  # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
+  # meta_ref:    int32 [groups * 4], offset_ref: int32 [groups] (written for this tile's groups)
+  # ticket_ref:  int32 [1], state_ref: int32 [tiles] (zero on entry, aliased in and out)
+  #
+  # Decoupled look-back over tiles of `tile_groups` groups, taken in ticket order (a ticket
+  # holder only waits on holders of smaller tickets, which are already running: no deadlock).
+  # A tile reads its blocks in one vector load, decides their rules and in-tile offsets with
+  # vector reductions, posts its size, sums its predecessors' sizes (`_look_back`), then re-reads
+  # each block (L2) and writes it: every load and store of the tile is independent, so they
+  # are all in flight together.
+  n = tile_groups * B.BLOCKS_PER_GROUP
+  t = pltr.atomic_add(ticket_ref, (jnp.int32(0),), jnp.int32(1))
+  b0 = t * n
+  present = b0 + jax.lax.broadcasted_iota(jnp.int32, (n,), 0) < num_blocks
+  meta = jnp.where(present, B.block_meta_byte(*B.block_half_base(blocks_ref[pl.ds(b0, n), :])), B.META_ABSENT)
+  units, starts = _tile_sizes(meta)
+  size = jnp.sum(units)
+  meta_ref[pl.ds(b0, n)] = meta
+  first = (t == 0).astype(jnp.int32)
+  posted = (size << 2) | (FLAG_AGGREGATE + first)  # tile 0's size is its inclusive prefix
+  pltr.atomic_add(state_ref, (t,), posted)  # from 0 (adds: interpret mode has no exchange)
+  excl = _look_back(state_ref, t, first)
   pltr.atomic_add(state_ref, (t,), (((excl + size) << 2) | FLAG_INCLUSIVE) - posted)
 
-  def place(i, unit):
-    offset_ref[g0 + i] = unit
-    for k in range(B.BLOCKS_PER_GROUP):
-      blk = (g0 + i) * B.BLOCKS_PER_GROUP + k
-      mb = meta_ref[blk]
-      x, y = _load_block(bits_ref, blk * LOW_ROWS)
-      _store_block(payload_ref, unit, mb, x, y)
-      unit = unit + _block_units(mb)
-    return unit
-
-  jax.lax.fori_loop(0, tile_groups, place, excl)
+  group_of = jax.lax.broadcasted_iota(jnp.int32, (tile_groups, n), 0)
+  in_earlier = jax.lax.broadcasted_iota(jnp.int32, (tile_groups, n), 1) < B.BLOCKS_PER_GROUP * group_of
+  offset_ref[pl.ds(t * tile_groups, tile_groups)] = excl + jnp.sum(jnp.where(in_earlier, units[None, :], 0), axis=1)
+  lane = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+  for k in range(n):  # unrolled: independent loads and stores
+    pick = lambda v: jnp.sum(jnp.where(lane == k, v, 0))
+    x, y = _load_block(bits_ref, (b0 + k) * LOW_ROWS)
+    _store_block(payload_ref, excl + pick(starts), pick(meta), x, y)
 
 
 def _zero_kernel(total_ref, _payload_in_ref, payload_ref):
@@ -247,29 +273,29 @@ def _zero_kernel(total_ref, _payload_in_ref, payload_ref):
   _zero_tail(payload_ref, pl.program_id(0), total_ref[0])
 
 
-def _single_pass(bits_rows, num_blocks: int, config, interpret):
-  groups = bits_rows.shape[0] // (B.BLOCKS_PER_GROUP * LOW_ROWS)
+def _single_pass(bits2d, num_blocks: int, config, interpret):
+  groups = bits2d.shape[0] // B.BLOCKS_PER_GROUP
   tiles = groups // config.tile_groups
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   params = pltr.CompilerParams(num_warps=config.num_warps)
   payload, meta, offsets, _, state = pl.pallas_call(
       functools.partial(_single_pass_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups),
       grid=(tiles,),
-      in_specs=[any_spec] * 3,  # bits, ticket, look-back state
+      in_specs=[any_spec] * 4,  # bits (pack rows), bits (block rows), ticket, look-back state
       out_specs=[any_spec] * 5,  # payload, meta bytes, group offsets, ticket, state
       out_shape=[
           jax.ShapeDtypeStruct((groups * WINDOW_ROWS, 4), jnp.uint8),
           jax.ShapeDtypeStruct((groups * B.BLOCKS_PER_GROUP,), jnp.int32),
           jax.ShapeDtypeStruct((groups,), jnp.int32),
           jax.ShapeDtypeStruct((1,), jnp.int32),
-          jax.ShapeDtypeStruct((tiles,), jnp.int32),
+          jax.ShapeDtypeStruct((tiles + LOOK_BACK,), jnp.int32),
       ],
-      input_output_aliases={1: 3, 2: 4},
+      input_output_aliases={2: 3, 3: 4},
       interpret=interpret,
       compiler_params=params,
       name="zipfusion_compress_single_pass",
-  )(bits_rows, jnp.zeros((1,), jnp.int32), jnp.zeros((tiles,), jnp.int32))
-  total = (state[-1:] >> 2).astype(jnp.int32)
+  )(bits2d.reshape(-1, 4), bits2d, jnp.zeros((1,), jnp.int32), jnp.zeros((tiles + LOOK_BACK,), jnp.int32))
+  total = (state[tiles - 1 : tiles] >> 2).astype(jnp.int32)
   payload = pl.pallas_call(
       _zero_kernel,
       grid=(groups,),
@@ -329,7 +355,7 @@ def _compress_bits(bits2d: jax.Array, *, num_blocks: int, config: CompressConfig
   n = bits2d.shape[0]
   groups = -(-num_blocks // B.BLOCKS_PER_GROUP)
   if config.single_pass:
-    payload_rows, meta, offsets, total_units = _single_pass(bits2d.reshape(n * LOW_ROWS, 4), num_blocks, config, interpret)
+    payload_rows, meta, offsets, total_units = _single_pass(bits2d, num_blocks, config, interpret)
     group_meta = codec.make_group_meta(offsets, meta.reshape(-1, B.BLOCKS_PER_GROUP))
     return payload_rows.reshape(-1)[: num_blocks * B.ROW_BYTES], group_meta[:groups], total_units
   planned = _plan(bits2d, config, interpret, version)  # [meta bytes] or [meta bytes, exception entries]

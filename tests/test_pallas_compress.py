@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 from jax._src.mesh import AbstractDevice
 from jax.sharding import AbstractMesh, AxisType
 
@@ -118,3 +119,29 @@ def test_version_2_kernel_on_every_pattern_as_the_exception():
   for start in range(0, patterns.size, 8192):
     x = bits[start : start + 8192].view(ml_dtypes.bfloat16)
     _assert_same(compress_pallas(x, interpret=True, version=2), zf.compress(x, version=2))
+
+
+@pytest.mark.parametrize("t,inclusive_at", [(1, None), (31, None), (32, None), (33, None), (100, None), (100, 40), (100, 98)])
+def test_look_back_sums_aggregates_across_windows_back_to_the_newest_inclusive_prefix(t, inclusive_at):
+  """`_look_back` as tile t sees a state array where its predecessors posted aggregates only
+  (tile 0 is always inclusive) or, from `inclusive_at`, an inclusive prefix; entries past t hold
+  posts of later tiles, which must be ignored. Interpret-mode runs of the whole kernel always find
+  tile t - 1 inclusive, so the multi-window path is only reached here."""
+  from pallas_kernels import compress as C
+
+  rng = np.random.default_rng(t)
+  sizes = rng.integers(12, 17, t + C.LOOK_BACK + 8)
+  flags = np.full(sizes.shape, C.FLAG_AGGREGATE)
+  flags[0] = C.FLAG_INCLUSIVE
+  values = sizes.copy()
+  if inclusive_at is not None:
+    flags[inclusive_at], values[inclusive_at] = C.FLAG_INCLUSIVE, sizes[: inclusive_at + 1].sum()
+  flags[t:] = C.FLAG_INCLUSIVE  # later tiles (and the padding) look finished: never counted
+  state = jnp.asarray((values << 2) | flags, jnp.int32)
+
+  def kernel(state_ref, out_ref):
+    out_ref[0] = C._look_back(state_ref, jnp.int32(t), jnp.int32(0))
+
+  got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), interpret=True,
+                       in_specs=[pl.BlockSpec(memory_space=pl.ANY)], out_specs=pl.BlockSpec(memory_space=pl.ANY))(state)
+  assert int(got[0]) == int(sizes[:t].sum())
