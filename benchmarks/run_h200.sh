@@ -13,6 +13,8 @@ mkdir -p "$out"
 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":3}, {"stages":3,"timing_probe":"copies"}, {"stages":3,"timing_probe":"compute"}]' --out "$out/fused_kernel_v2_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/v2_check.txt
 if grep -q FAIL /tmp/v2_check.txt; then echo "kernel check failed: stopping"; exit 1; fi
 python3 -m benchmarks.fused_kernel_check --out "$out/fused_kernel_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion"
+# The compression kernels (issue 3): the vectorized single pass against two-pass and a copy, same run.
+python3 -m benchmarks.compress --out "$out/compress_h200.json" 2>&1 | tail -12
 python3 -m benchmarks.attention --out "$out/attention_h200.json" 2>&1 | grep -vE "^\s*$|Warning"
 python3 -m benchmarks.generate --batch 32 --context 8192 --out "$out/generate_h200.json" 2>&1 | tail -8
 python3 -m benchmarks.capacity --overhead --out "$out/allocator_overhead_h200.json" 2>&1 | tail -5
