@@ -95,16 +95,6 @@ def _plan_kernel_v2(bits_ref, meta_ref, exception_ref):
   meta_ref[...], exception_ref[...] = B.block_rule_v2(bits_ref[...])  # the reference rule, in-kernel
 
 
-def _block_meta(x, y):
-  """x, y: int32 [64, 4] (the two halves of one block) -> the block's metadata byte."""
-  ex, ey = (x >> 7) & 0xFF, (y >> 7) & 0xFF
-  lo = jnp.minimum(jnp.min(jnp.min(ex, axis=0)), jnp.min(jnp.min(ey, axis=0)))
-  hi = jnp.maximum(jnp.max(jnp.max(ex, axis=0)), jnp.max(jnp.max(ey, axis=0)))
-  base = lo & ~1
-  eligible = (hi - base < B.EXPONENT_WINDOW).astype(jnp.int32)
-  return eligible * (base >> 1) + (1 - eligible) * B.META_RAW
-
-
 def _block_units(mb):
   # Integer arithmetic: Triton's lowering of nested scalar selects mixes i1 and i32.
   is_compressed = (mb <= B.MAX_EXCEPTION_META).astype(jnp.int32)  # b/2, or version 2's 0x80 | b/2

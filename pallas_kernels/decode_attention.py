@@ -402,7 +402,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   in_registers = cache.compressed and not interpret
   tile = lambda shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=_TRANSFORMS)
   # The stage ring (BF16 tiles and / or the byte stage) is dead once the step loop ends: the epilogue's
-  # O and LSE reuse its SMEM (6 KB at D = 128, which keeps 3 stages of format 2 at two CTAs per SM).
+  # O and LSE reuse its SMEM (6 KB at D = 128).
   stream = (() if in_registers else (tile((stages, STEP_TOKENS, head_dim)),) * 2) + (
       (plgpu.SMEM((stages, 2, STEP_PAGES, 4 * nb, R.UNIT), jnp.uint8),) if cache.compressed else ())
   epilogue = (plgpu.SMEM((head_dim, QROWS), jnp.float32), plgpu.SMEM((STEP_TOKENS, QROWS), jnp.float32))
@@ -410,7 +410,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       (
           tile((QROWS, head_dim)),
           plgpu.RefUnion(stream, epilogue),
-          plgpu.SMEM((stages, STEP_PAGES, R.INFO_WORDS if version == 1 else R.INFO_WORDS_V2), jnp.int32),
+          plgpu.SMEM((stages, STEP_PAGES, P.info_words(version)), jnp.int32),
           plgpu.SMEM((P.CHUNK_PAGES, P.entry_words(version)), jnp.int32),
           tile((QROWS, STEP_TOKENS)),
       ),

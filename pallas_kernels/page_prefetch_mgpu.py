@@ -82,6 +82,11 @@ def info_fields(version: int) -> tuple[int, ...]:
   return fields
 
 
+def info_words(version: int) -> int:
+  """Words of a slot's info record: the flags, then the `info_fields` words."""
+  return 1 + len(info_fields(version))
+
+
 def write_step_info(chunk_ref, info_ref, stage, local, *flags, version, compressed):
   """info_ref[stage, s] = (flags[s], chunk words of `info_fields`) for the step's 4 slots.
 
@@ -92,12 +97,12 @@ def write_step_info(chunk_ref, info_ref, stage, local, *flags, version, compress
 
   Args:
     chunk_ref: SMEM i32 [CHUNK_PAGES, entry_words(version)]; info_ref: SMEM i32 [stages, 4, W],
-      W = 1 + len(info_fields(version)).
+      W = info_words(version).
     stage, local: i32 splats, the ring stage and the step's first chunk entry.
     flags: 4 i32 splats, each slot's FLAG_PAGE / FLAG_TAIL / 0.
   """
   fields = info_fields(version)
-  words = 1 + len(fields)
+  words = info_words(version)
   stage, local, *flags = (_scalar(x) for x in (stage, local, *flags))
   tid = arith.remui(mu.thread_idx(), _c(128))
   slot, word = arith.divui(tid, _c(words)), arith.remui(tid, _c(words))
@@ -109,7 +114,6 @@ def write_step_info(chunk_ref, info_ref, stage, local, *flags, version, compress
     column = arith.select(_eq(word, _c(1 + w)), _c(fields[w]), column)
   op = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, tid, _c(len(flags) * words)))
   with ir.InsertionPoint(op.then_block):
-    value = flag
     if compressed:
       entry = arith.addi(arith.muli(arith.addi(local, slot), _c(entry_words(version))), column)
       loaded = llvm.load(_i32(), mu.getelementptr(mu.memref_ptr(chunk_ref), [entry], _i32()))

@@ -47,8 +47,8 @@ RAW = FB.META_RAW  # the slot byte of a raw block
 # Per-slot flag bits in the info words the producer writes.
 FLAG_PAGE = 1  # a completed (compressed / BF16) page
 FLAG_TAIL = 2  # the raw tail page, BF16 in its byte-stage slot (or the tile)
-INFO_WORDS = 3  # per slot: flags, K word1, V word1
-INFO_WORDS_V2 = 7  # format version 2: + K word2, K word3, V word2, V word3 (exception entries)
+# Info record words per slot (page_prefetch_mgpu.info_words): 3 in version 1 (flags, K word1, V word1);
+INFO_WORDS_V2 = 7  # version 2 adds K word2, K word3, V word2, V word3 (exception entries)
 # neither: the slot lies past the sequence (or the split)
 
 

@@ -188,3 +188,10 @@ def test_config_validates():
 
 def test_reference_scale_default_matches_kernel_contract():
   assert reference.default_scale(128, None) == pytest.approx(128 ** -0.5)
+
+
+def test_the_restore_recognises_version_2_by_the_record_the_producer_writes():
+  from pallas_kernels import page_prefetch_mgpu as P
+  from pallas_kernels import restore_mgpu as R
+
+  assert P.info_words(2) == R.INFO_WORDS_V2 != P.info_words(1)
