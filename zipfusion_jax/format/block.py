@@ -126,6 +126,11 @@ def is_compressed(meta_byte: jnp.ndarray) -> jnp.ndarray:
   return meta_byte <= MAX_EXCEPTION_META
 
 
+def has_exception(meta_byte: jnp.ndarray) -> jnp.ndarray:
+  """Slots stored with one exception (version 2's 0x80 | b/2)."""
+  return (meta_byte >= META_EXCEPTION) & (meta_byte <= MAX_EXCEPTION_META)
+
+
 def half_base_of(meta_byte: jnp.ndarray) -> jnp.ndarray:
   """b/2 of a compressed slot's byte (either version); 0 for raw and absent slots."""
   return jnp.where(is_compressed(meta_byte), meta_byte & MAX_HALF_BASE, 0)
@@ -175,7 +180,7 @@ def decode_codes(codes: jnp.ndarray, half_base: jnp.ndarray) -> jnp.ndarray:
 
 def _exception_slot(exception: jnp.ndarray, meta_byte: jnp.ndarray) -> jnp.ndarray:
   """bool [..., 512]: the position of each block's exception (none where the byte has no flag)."""
-  flagged = is_compressed(meta_byte) & (meta_byte > MAX_HALF_BASE)
+  flagged = has_exception(meta_byte)
   position = exception & ((1 << POSITION_BITS) - 1)
   return flagged[..., None] & (jnp.arange(VALUES_PER_BLOCK, dtype=jnp.int32) == position[..., None])
 

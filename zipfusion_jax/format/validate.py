@@ -45,7 +45,7 @@ def validate(c: CompressedBlocks) -> CompressedBlocks:
   slot_bytes = (meta[:, 1:2] >> (np.arange(4, dtype=np.uint32) * 8)) & 0xFF
   present = np.arange(groups * B.BLOCKS_PER_GROUP).reshape(groups, B.BLOCKS_PER_GROUP) < n
   v2 = (version == 2)[:, None]
-  flagged = (slot_bytes >= B.META_EXCEPTION) & (slot_bytes <= B.MAX_EXCEPTION_META)
+  flagged = np.asarray(B.has_exception(slot_bytes))
   valid_present = (slot_bytes <= B.MAX_HALF_BASE) | (slot_bytes == B.META_RAW) | (v2 & flagged)
   bad = np.where(present, ~valid_present, slot_bytes != B.META_ABSENT)
   if np.any(bad):
