@@ -359,3 +359,8 @@ def test_a_step_encodes_and_places_only_its_completion_width(compressed):
   assert (w0, w1) == (0, 2)
   # Each layer places pages with several scatters (store, metadata, chunk fill, step units).
   assert one - none >= 3 * cfg.num_layers, (none, one)
+
+
+def test_serving_config_refuses_an_unknown_format_version():
+  with pytest.raises(ValueError, match=r"format version=3 is not one of \(1, 2\)"):
+    ServingConfig(num_layers=1, num_kv_heads=1, head_dim=64, num_slots=1, max_pages=1, num_chunks=1, format_version=3)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from zipfusion_jax.format import block as B
+from zipfusion_jax.format import codec
 from zipfusion_jax.format import layout
 
 PAGE_SIZE = layout.PAGE_SIZE
@@ -66,8 +67,7 @@ class ServingConfig:
 
   def __post_init__(self):
     layout.check_head_dim(self.head_dim)
-    if self.format_version not in B.FORMAT_VERSIONS:
-      raise ValueError(f"format_version={self.format_version} is not one of {B.FORMAT_VERSIONS}")
+    codec.check_version(self.format_version)
     for name in ("num_layers", "num_kv_heads", "num_slots", "max_pages", "num_chunks", "chunk_pages"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
