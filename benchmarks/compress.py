@@ -1,6 +1,6 @@
 """Compression kernel throughput on the GPU (one call: check, then time every variant).
 
-  python -m benchmarks.compress [--gib 1] [--out benchmarks/results/compress_h200.json]
+  python -m benchmarks.compress [--gib 1] [--variants a,b] [--out benchmarks/results/compress_h200.json]
 
 Writes `device`, `jax`, `input_bytes`, `time_us`, `input_tbps` (best Pallas
 variant, kernel time from CUPTI) plus every variant's figures, the copy
@@ -14,6 +14,7 @@ import datetime
 import json
 import pathlib
 import statistics
+import sys
 import time
 
 import jax
@@ -65,6 +66,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--gib", type=float, default=1.0)
   ap.add_argument("--out", default="benchmarks/results/compress_h200.json")
+  ap.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
   args = ap.parse_args()
   n = int(args.gib * 2**30) // 1024 // 64 * 64
   x = synthetic_blocks(jax.random.key(0), n)
@@ -80,11 +82,17 @@ def main():
       "two_pass_plan16_w4": CompressConfig(),
       "two_pass_plan64_w8": CompressConfig(single_pass=False, plan_blocks=64, num_warps=8),
   }
+  if args.variants:
+    unknown = set(args.variants.split(",")) - set(variants)
+    if unknown:
+      raise SystemExit(f"unknown variants {sorted(unknown)}; known: {sorted(variants)}")
+    variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
   c_ref_small = zf.compress(x[:4096])
   rows = []
   # A real read+write pass of the same bytes (a bare copy can be elided by XLA).
   copy_us, _ = cupti_us(jax.jit(lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) ^ jnp.uint16(1)), x)
   for name, cfg in variants.items():
+    print(f"{name}: compiling and checking", file=sys.stderr, flush=True)  # a hang names its variant
     f = jax.jit(lambda a, cfg=cfg: compress_pallas(a, config=cfg))
     c = f(x)
     check_exact(x, c, c_ref_small, 4096, cfg)

@@ -12,8 +12,8 @@ entry) and the pack kernel writes the exception's code with d = 0.
 blocks from HBM once (one vector load), decides their rules and in-tile offsets
 with vector reductions, posts the tile's size, finds its payload offset by a
 decoupled look-back over earlier tiles (a ticket counter hands out tiles in
-launch order, so waiting cannot deadlock; each probe reads 32 predecessors'
-states at once), then re-reads each block (L2) and writes it with unrolled,
+launch order, so waiting cannot deadlock; each probe reads one predecessor's
+state per thread, so no racy read is replicated across warps), then re-reads each block (L2) and writes it with unrolled,
 independent stores; a write-only kernel zeroes the tail. Version 1 only. The
 previous single-pass design (per-group `fori_loop`s, one state per probe) was
 measured slower than two-pass on the H200 (1 GiB: 5.9 ms at one group per tile,
@@ -180,7 +180,19 @@ def _pack_kernel(*refs, version: int):
 FLAG_AGGREGATE, FLAG_INCLUSIVE = 1, 2  # look-back states; value << 2 | flag, 0 = not yet
 
 
-LOOK_BACK = 32  # predecessor states read per look-back probe (one vector atomic read)
+def look_back_window(num_warps: int) -> int:
+  """Predecessor states read per look-back probe: exactly one per thread of the program.
+
+  A racy read (other tiles post while we look) must be made once per state: were the window
+  smaller than the program, Triton would replicate it across warps, each warp would read at its
+  own moment, and warps could disagree on whether the window is complete, so their loop trip
+  counts (and the barriers of the reductions inside) would diverge. One state per thread makes
+  every reduction cross-warp (through SMEM), so all threads see one answer.
+  """
+  return 32 * num_warps
+
+
+LOOK_BACK = look_back_window(4)  # the window at the default 4 warps
 
 
 def _tile_sizes(meta):
@@ -191,24 +203,24 @@ def _tile_sizes(meta):
   return units, jnp.sum(jnp.where(before, units[None, :], 0), axis=1)
 
 
-def _look_back(state_ref, t, first):
+def _look_back(state_ref, t, first, window: int = LOOK_BACK):
   """Units of tiles 0 .. t - 1, by decoupled look-back over `state_ref` (value << 2 | flag).
 
-  Reads LOOK_BACK predecessors per probe (one vector atomic read): sums every aggregate after
+  Reads `window` predecessors per probe (one vector atomic read): sums every aggregate after
   the latest inclusive prefix in the window and stops there; re-probes the same window while
   a tile after that prefix has posted nothing yet; else moves the window back.
   """
-  lanes = jax.lax.broadcasted_iota(jnp.int32, (LOOK_BACK,), 0)
+  lanes = jax.lax.broadcasted_iota(jnp.int32, (window,), 0)
 
   def cond(carry):
     return carry[2] == 0
 
   def body(carry):
-    hi, excl, _ = carry  # the window: tiles lo .. hi (state_ref is padded by LOOK_BACK entries)
-    lo = jnp.maximum(hi - (LOOK_BACK - 1), 0)
+    hi, excl, _ = carry  # the window: tiles lo .. hi (state_ref is padded by `window` entries)
+    lo = jnp.maximum(hi - (window - 1), 0)
     index = lo + lanes
     valid = index <= hi
-    s = pltr.atomic_add(state_ref, (pl.ds(lo, LOOK_BACK),), jnp.zeros((LOOK_BACK,), jnp.int32))  # an atomic read
+    s = pltr.atomic_add(state_ref, (pl.ds(lo, window),), jnp.zeros((window,), jnp.int32))  # an atomic read
     flag = jnp.where(valid, s & 3, 0)
     newest = jnp.max(jnp.where(valid & (flag == FLAG_INCLUSIVE), index, -1))
     counted = valid & (index >= newest)
@@ -221,7 +233,7 @@ def _look_back(state_ref, t, first):
 
 
 def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref, meta_ref, offset_ref, ticket_ref,
-                        state_ref, *, num_blocks: int, tile_groups: int):
+                        state_ref, *, num_blocks: int, tile_groups: int, window: int):
   # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array; the pack layout of the blocks)
   # blocks_ref:  uint16 [groups * 4, 512] (whole array; the same bytes, one block per row)
   # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
@@ -245,7 +257,7 @@ def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref
   first = (t == 0).astype(jnp.int32)
   posted = (size << 2) | (FLAG_AGGREGATE + first)  # tile 0's size is its inclusive prefix
   pltr.atomic_add(state_ref, (t,), posted)  # from 0 (adds: interpret mode has no exchange)
-  excl = _look_back(state_ref, t, first)
+  excl = _look_back(state_ref, t, first, window)
   pltr.atomic_add(state_ref, (t,), (((excl + size) << 2) | FLAG_INCLUSIVE) - posted)
 
   group_of = jax.lax.broadcasted_iota(jnp.int32, (tile_groups, n), 0)
@@ -268,8 +280,9 @@ def _single_pass(bits2d, num_blocks: int, config, interpret):
   tiles = groups // config.tile_groups
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   params = pltr.CompilerParams(num_warps=config.num_warps)
+  window = look_back_window(config.num_warps)
   payload, meta, offsets, _, state = pl.pallas_call(
-      functools.partial(_single_pass_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups),
+      functools.partial(_single_pass_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, window=window),
       grid=(tiles,),
       in_specs=[any_spec] * 4,  # bits (pack rows), bits (block rows), ticket, look-back state
       out_specs=[any_spec] * 5,  # payload, meta bytes, group offsets, ticket, state
@@ -278,13 +291,13 @@ def _single_pass(bits2d, num_blocks: int, config, interpret):
           jax.ShapeDtypeStruct((groups * B.BLOCKS_PER_GROUP,), jnp.int32),
           jax.ShapeDtypeStruct((groups,), jnp.int32),
           jax.ShapeDtypeStruct((1,), jnp.int32),
-          jax.ShapeDtypeStruct((tiles + LOOK_BACK,), jnp.int32),
+          jax.ShapeDtypeStruct((tiles + window,), jnp.int32),
       ],
       input_output_aliases={2: 3, 3: 4},
       interpret=interpret,
       compiler_params=params,
       name="zipfusion_compress_single_pass",
-  )(bits2d.reshape(-1, 4), bits2d, jnp.zeros((1,), jnp.int32), jnp.zeros((tiles + LOOK_BACK,), jnp.int32))
+  )(bits2d.reshape(-1, 4), bits2d, jnp.zeros((1,), jnp.int32), jnp.zeros((tiles + window,), jnp.int32))
   total = (state[tiles - 1 : tiles] >> 2).astype(jnp.int32)
   payload = pl.pallas_call(
       _zero_kernel,
