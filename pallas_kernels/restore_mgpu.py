@@ -168,8 +168,8 @@ def _exception_entry(w2, w3, j):
 class MlirOps:
   """The integer ops `exception_biases` uses, on i32 / i1 MLIR values (tests pass numpy ones)."""
 
-  and_, or_, xor = staticmethod(arith.andi), staticmethod(arith.ori), staticmethod(arith.xori)
-  shl, shr, mul, select = staticmethod(arith.shli), staticmethod(arith.shrui), staticmethod(arith.muli), staticmethod(arith.select)
+  and_, shl, shr = staticmethod(arith.andi), staticmethod(arith.shli), staticmethod(arith.shrui)
+  add, sub, mul, select = staticmethod(arith.addi), staticmethod(arith.subi), staticmethod(arith.muli), staticmethod(arith.select)
   eq = staticmethod(_eq)
 
   @staticmethod
@@ -183,19 +183,20 @@ def exception_biases(ops, frag, entry, flagged, half_base):
 
   Every byte is hb, except the exception's: its code has d = 0 (docs/FORMAT.md §9), so putting
   its `e >> 1` in that byte of the bias decodes it exactly (sign from the code, no carry: e >> 1
-  <= 127), with no patch after the decode. Position p is byte p & 3 of Hx (p & 4 == 0) or Hy of
-  fragment p >> 3. Written against `ops` (MLIR or numpy) so the same code is tested off-GPU.
+  <= 127). That byte is hb + (e >> 1 - hb): adding `(e >> 1 - hb) << 8 (p & 3)` to the bias
+  word (32-bit wrap) borrows nothing, since the byte only drops to e >> 1 >= 0. Position p is
+  byte p & 3 of Hx (p & 4 == 0) or Hy of fragment p >> 3, i.e. word `p >> 2 = 2 frag (+1)`.
+  The per-block terms (key, delta) do not depend on `frag`, so a block's fragments share them
+  (LLVM's CSE). Written against `ops` (MLIR or numpy) so the same code is tested off-GPU.
   """
   c = ops.const
   bias = ops.mul(half_base, c(0x01010101))
   p = ops.and_(entry, c((1 << FB.POSITION_BITS) - 1))
-  shift = ops.shl(ops.and_(p, c(3)), c(3))
-  others = ops.xor(ops.shl(c(0xFF), shift), c(0xFFFFFFFF))
-  folded = ops.or_(ops.and_(bias, others), ops.shl(ops.shr(entry, c(FB.POSITION_BITS)), shift))
-  hit = ops.and_(flagged, ops.eq(ops.shr(p, c(3)), frag))
-  half = ops.and_(p, c(4))
-  return (ops.select(ops.and_(hit, ops.eq(half, c(0))), folded, bias),
-          ops.select(ops.and_(hit, ops.eq(half, c(4))), folded, bias))
+  delta = ops.shl(ops.sub(ops.shr(entry, c(FB.POSITION_BITS)), half_base), ops.shl(ops.and_(p, c(3)), c(3)))
+  key = ops.select(flagged, ops.shr(p, c(2)), c(0xFFFFFFFF))  # word of the exception, or none
+  word_x = ops.shl(frag, c(1))
+  pick = lambda word: ops.add(bias, ops.select(ops.eq(key, word), delta, c(0)))
+  return pick(word_x), pick(ops.add(word_x, c(1)))
 
 
 def _decode_fragments_v2(parts):

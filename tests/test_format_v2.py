@@ -237,8 +237,8 @@ def test_paged_cache_in_version_2_attends_like_version_1(head_dim):
 class NumpyOps:
   """`restore_mgpu.exception_biases`'s integer ops on numpy uint32 / bool arrays."""
 
-  and_, or_, xor = np.bitwise_and, np.bitwise_or, np.bitwise_xor
-  shl, shr, mul, select, eq = np.left_shift, np.right_shift, np.multiply, np.where, np.equal
+  and_, shl, shr = np.bitwise_and, np.left_shift, np.right_shift
+  add, sub, mul, select, eq = np.add, np.subtract, np.multiply, np.where, np.equal
 
   @staticmethod
   def const(v):
