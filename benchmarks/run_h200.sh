@@ -8,13 +8,19 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
-# Format version 2 next to version 1, split into producer (copies) and consumer (compute) time: first,
-# since its exception decode (folded into the bias) has not yet run on a GPU; stop on any FAIL.
+# 1. The ring depth on this card, same run (H100 2026-12-05: 3 stages beat 2 for format 1; the H200's
+# only 3-stage run, 67.1 us at 32 x 2048, was slower than its 2-stage figure of 2026-12-04, 56.8 us).
+timeout -s KILL 300 python3 -m benchmarks.fused_kernel_check --quick --skip-correctness --sweep '[{"stages":2},{"stages":3},{"stages":2,"timing_probe":"compute"},{"stages":3,"timing_probe":"compute"}]' --out "$out/fused_kernel_stages_h200.json" 2>&1 | grep --line-buffered -E "cudnn|zipfusion"
+# 2. Why the single-pass compressor hangs: a bounded look-back on a small input (returns even when stuck).
+timeout -s KILL 150 python3 -m benchmarks.compress --diagnose --gib 0.02 --variants single_pass_tile4_w4,single_pass_tile1_w4 --out "$out/compress_diagnose_h200.json" 2>&1 | grep --line-buffered -vE "Warning|^\s*$"
+# Format version 2 next to version 1, split into producer (copies) and consumer (compute) time;
+# stop on any FAIL.
 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":3}, {"stages":3,"timing_probe":"copies"}, {"stages":3,"timing_probe":"compute"}]' --out "$out/fused_kernel_v2_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/v2_check.txt
 if grep -q FAIL /tmp/v2_check.txt; then echo "kernel check failed: stopping"; exit 1; fi
 python3 -m benchmarks.fused_kernel_check --out "$out/fused_kernel_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion"
 # The compression kernels (issue 3): the vectorized single pass against two-pass and a copy, same run.
-python3 -m benchmarks.compress --out "$out/compress_h200.json" 2>&1 | tail -12
+# (Only once --diagnose shows the single pass completes; a hung kernel ignores SIGINT / SIGTERM.)
+timeout -s KILL 400 python3 -m benchmarks.compress --out "$out/compress_h200.json" 2>&1 | tail -12
 python3 -m benchmarks.attention --out "$out/attention_h200.json" 2>&1 | grep -vE "^\s*$|Warning"
 python3 -m benchmarks.generate --batch 32 --context 8192 --out "$out/generate_h200.json" 2>&1 | tail -8
 python3 -m benchmarks.capacity --overhead --out "$out/allocator_overhead_h200.json" 2>&1 | tail -5

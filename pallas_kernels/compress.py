@@ -41,6 +41,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
@@ -62,12 +63,20 @@ class CompressConfig:
     tile_groups: groups (of 4 blocks) per program of the single-pass kernel (power of two).
     plan_blocks: blocks per program of the plan kernel (power of two).
     num_warps: Triton warps per program.
+    max_probes: single pass: a tile stops looking back after this many probes (0: never). A
+      diagnostic bound: a tile that stops early writes wrong offsets, and
+      `single_pass_diagnostics` reports it; keep 0 for real use.
+    unverified_on_gpu: allow the single-pass kernel to compile for a GPU. It hung on an H100
+      (2026-12-05, even at 20k blocks; the cause is not yet known), so `compress_pallas`
+      refuses it there unless this is set (benchmarks and diagnostics set it).
   """
 
   single_pass: bool = False
   tile_groups: int = 16
   plan_blocks: int = 16
   num_warps: int = 4
+  max_probes: int = 0
+  unverified_on_gpu: bool = False
 
   def __post_init__(self):
     for name in ("plan_blocks", "tile_groups"):
@@ -76,6 +85,8 @@ class CompressConfig:
         raise ValueError(f"{name}={v} must be a power of two")
     if self.num_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
+    if self.max_probes < 0:
+      raise ValueError(f"max_probes={self.max_probes} must be >= 0 (0: unbounded)")
 
 
 def heuristic_config(num_blocks: int) -> CompressConfig:
@@ -203,20 +214,22 @@ def _tile_sizes(meta):
   return units, jnp.sum(jnp.where(before, units[None, :], 0), axis=1)
 
 
-def _look_back(state_ref, t, first, window: int = LOOK_BACK):
-  """Units of tiles 0 .. t - 1, by decoupled look-back over `state_ref` (value << 2 | flag).
+def _look_back(state_ref, t, first, window: int = LOOK_BACK, max_probes: int = 0):
+  """(units of tiles 0 .. t - 1, probes made), by decoupled look-back over `state_ref` (value << 2 | flag).
 
   Reads `window` predecessors per probe (one vector atomic read): sums every aggregate after
   the latest inclusive prefix in the window and stops there; re-probes the same window while
-  a tile after that prefix has posted nothing yet; else moves the window back.
+  a tile after that prefix has posted nothing yet; else moves the window back. With
+  `max_probes` > 0 it gives up after that many probes (diagnostics only: the sum is then wrong).
   """
   lanes = jax.lax.broadcasted_iota(jnp.int32, (window,), 0)
 
   def cond(carry):
-    return carry[2] == 0
+    searching = carry[2] == 0
+    return searching & (carry[3] < max_probes) if max_probes else searching
 
   def body(carry):
-    hi, excl, _ = carry  # the window: tiles lo .. hi (state_ref is padded by `window` entries)
+    hi, excl, _, probes = carry  # the window: tiles lo .. hi (state_ref is padded by `window` entries)
     lo = jnp.maximum(hi - (window - 1), 0)
     index = lo + lanes
     valid = index <= hi
@@ -226,19 +239,21 @@ def _look_back(state_ref, t, first, window: int = LOOK_BACK):
     counted = valid & (index >= newest)
     complete = jnp.min(jnp.where(counted, (flag != 0).astype(jnp.int32), 1))
     add = jnp.sum(jnp.where(counted, s >> 2, 0))
-    return hi - complete * (hi - lo + 1), excl + complete * add, complete * (newest >= 0).astype(jnp.int32)
+    done = complete * (newest >= 0).astype(jnp.int32)
+    return hi - complete * (hi - lo + 1), excl + complete * add, done, probes + 1
 
-  _, excl, _ = jax.lax.while_loop(cond, body, (t - 1, t * 0, first))
-  return excl
+  _, excl, _, probes = jax.lax.while_loop(cond, body, (t - 1, t * 0, first, t * 0))
+  return excl, probes
 
 
 def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref, meta_ref, offset_ref, ticket_ref,
-                        state_ref, *, num_blocks: int, tile_groups: int, window: int):
+                        state_ref, probes_ref, *, num_blocks: int, tile_groups: int, window: int, max_probes: int):
   # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array; the pack layout of the blocks)
   # blocks_ref:  uint16 [groups * 4, 512] (whole array; the same bytes, one block per row)
   # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
   # meta_ref:    int32 [groups * 4], offset_ref: int32 [groups] (written for this tile's groups)
-  # ticket_ref:  int32 [1], state_ref: int32 [tiles] (zero on entry, aliased in and out)
+  # ticket_ref:  int32 [1], state_ref: int32 [tiles + window] (zero on entry, aliased in and out)
+  # probes_ref:  int32 [tiles], look-back probes per tile (telemetry for `single_pass_diagnostics`)
   #
   # Decoupled look-back over tiles of `tile_groups` groups, taken in ticket order (a ticket
   # holder only waits on holders of smaller tickets, which are already running: no deadlock).
@@ -257,7 +272,8 @@ def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref
   first = (t == 0).astype(jnp.int32)
   posted = (size << 2) | (FLAG_AGGREGATE + first)  # tile 0's size is its inclusive prefix
   pltr.atomic_add(state_ref, (t,), posted)  # from 0 (adds: interpret mode has no exchange)
-  excl = _look_back(state_ref, t, first, window)
+  excl, probes = _look_back(state_ref, t, first, window, max_probes)
+  probes_ref[t] = probes
   pltr.atomic_add(state_ref, (t,), (((excl + size) << 2) | FLAG_INCLUSIVE) - posted)
 
   group_of = jax.lax.broadcasted_iota(jnp.int32, (tile_groups, n), 0)
@@ -281,17 +297,19 @@ def _single_pass(bits2d, num_blocks: int, config, interpret):
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   params = pltr.CompilerParams(num_warps=config.num_warps)
   window = look_back_window(config.num_warps)
-  payload, meta, offsets, _, state = pl.pallas_call(
-      functools.partial(_single_pass_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, window=window),
+  payload, meta, offsets, ticket, state, probes = pl.pallas_call(
+      functools.partial(_single_pass_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, window=window,
+                        max_probes=config.max_probes),
       grid=(tiles,),
       in_specs=[any_spec] * 4,  # bits (pack rows), bits (block rows), ticket, look-back state
-      out_specs=[any_spec] * 5,  # payload, meta bytes, group offsets, ticket, state
+      out_specs=[any_spec] * 6,  # payload, meta bytes, group offsets, ticket, state, probes
       out_shape=[
           jax.ShapeDtypeStruct((groups * WINDOW_ROWS, 4), jnp.uint8),
           jax.ShapeDtypeStruct((groups * B.BLOCKS_PER_GROUP,), jnp.int32),
           jax.ShapeDtypeStruct((groups,), jnp.int32),
           jax.ShapeDtypeStruct((1,), jnp.int32),
           jax.ShapeDtypeStruct((tiles + window,), jnp.int32),
+          jax.ShapeDtypeStruct((tiles,), jnp.int32),
       ],
       input_output_aliases={2: 3, 3: 4},
       interpret=interpret,
@@ -310,7 +328,7 @@ def _single_pass(bits2d, num_blocks: int, config, interpret):
       compiler_params=params,
       name="zipfusion_compress_zero_tail",
   )(total, payload)
-  return payload, meta, offsets, total[0]
+  return payload, meta, offsets, total[0], {"ticket": ticket[0], "state": state[:tiles], "probes": probes}
 
 
 def _plan(bits2d, config: CompressConfig, interpret: bool, version: int):
@@ -358,7 +376,7 @@ def _compress_bits(bits2d: jax.Array, *, num_blocks: int, config: CompressConfig
   n = bits2d.shape[0]
   groups = -(-num_blocks // B.BLOCKS_PER_GROUP)
   if config.single_pass:
-    payload_rows, meta, offsets, total_units = _single_pass(bits2d, num_blocks, config, interpret)
+    payload_rows, meta, offsets, total_units, _ = _single_pass(bits2d, num_blocks, config, interpret)
     group_meta = codec.make_group_meta(offsets, meta.reshape(-1, B.BLOCKS_PER_GROUP))
     return payload_rows.reshape(-1)[: num_blocks * B.ROW_BYTES], group_meta[:groups], total_units
   planned = _plan(bits2d, config, interpret, version)  # [meta bytes] or [meta bytes, exception entries]
@@ -391,11 +409,51 @@ def compress_pallas(x, *, config: CompressConfig | None = None, interpret: bool 
   config = config or heuristic_config(n)
   if version == 2 and config.single_pass:
     raise NotImplementedError("the single-pass kernel writes format version 1 only; use the two-pass default")
+  interpret = resolve_interpret(interpret)
+  if config.single_pass and not interpret and not config.unverified_on_gpu:
+    raise NotImplementedError(
+        "the single-pass compression kernel hung on an H100 (2026-12-05) and is not yet verified on a GPU; "
+        "use the two-pass default, or CompressConfig(unverified_on_gpu=True) to run it for diagnosis")
   quantum = B.BLOCKS_PER_GROUP * max(config.plan_blocks, config.tile_groups)
   padded = -(-n // quantum) * quantum
   if padded != n:
     bits = jnp.pad(bits, ((0, padded - n), (0, 0)))
   payload, group_meta, units = _compress_bits(
-      bits, num_blocks=n, config=config, interpret=resolve_interpret(interpret), version=version
+      bits, num_blocks=n, config=config, interpret=interpret, version=version
   )
   return codec.CompressedBlocks(payload, group_meta, units, batch_shape)
+
+
+def single_pass_diagnostics(x, config: CompressConfig, *, interpret: bool | None = None) -> dict:
+  """Run the single-pass kernel once on bf16 `x` [N, 512] and report its look-back bookkeeping.
+
+  Returns a dict of numpy-friendly values: `tiles`, `ticket` (tickets handed out; == tiles when
+  every program ran), `flags` (how many tiles ended with state flag 0 / aggregate / inclusive),
+  `inclusive_prefix_ok` (every tile's inclusive value is the running sum of the sizes),
+  `probes_max`, `probes_mean`, and `metadata_match` (group metadata and units in use equal the
+  reference's; the payload bytes are checked by `compress_pallas`'s tests and the benchmark).
+  With `config.max_probes` > 0 a stuck look-back ends, so a GPU run returns instead of hanging.
+  """
+  x = codec.check_blocks_input(x)
+  bits = B.to_bits(x).reshape(-1, B.VALUES_PER_BLOCK)
+  n = bits.shape[0]
+  quantum = B.BLOCKS_PER_GROUP * max(config.plan_blocks, config.tile_groups)
+  bits = jnp.pad(bits, ((0, -(-n // quantum) * quantum - n), (0, 0)))
+  run = jax.jit(functools.partial(_single_pass, num_blocks=n, config=config, interpret=resolve_interpret(interpret)))
+  _, meta, offsets, total, info = run(bits)
+  state = jax.device_get(info["state"])
+  flags = state & 3
+  units = jax.device_get(_block_units(meta)).reshape(-1, B.BLOCKS_PER_GROUP * config.tile_groups).sum(axis=1)
+  inclusive_ok = bool(np.all((flags == FLAG_INCLUSIVE) & ((state >> 2) == np.cumsum(units))))
+  want = codec.compress_reference(x)
+  group_meta = codec.make_group_meta(offsets, meta.reshape(-1, B.BLOCKS_PER_GROUP))[: want.group_meta.shape[0]]
+  probes = jax.device_get(info["probes"])
+  return {
+      "tiles": int(state.shape[0]), "ticket": int(info["ticket"]),
+      "flags": {"none": int(np.sum(flags == 0)), "aggregate": int(np.sum(flags == FLAG_AGGREGATE)),
+                "inclusive": int(np.sum(flags == FLAG_INCLUSIVE))},
+      "inclusive_prefix_ok": inclusive_ok, "total_units": int(total),
+      "probes_max": int(probes.max()), "probes_mean": float(probes.mean()),
+      "metadata_match": bool(np.array_equal(jax.device_get(group_meta), jax.device_get(want.group_meta))
+                          and int(total) == int(want.payload_units)),
+  }

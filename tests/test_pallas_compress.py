@@ -14,6 +14,7 @@ from jax._src.mesh import AbstractDevice
 from jax.sharding import AbstractMesh, AxisType
 
 import zipfusion_jax as zf
+from benchmarks.synthetic_kv import synthetic_blocks
 from pallas_kernels.compress import CompressConfig, compress_pallas, heuristic_config
 
 
@@ -69,7 +70,7 @@ H200 = AbstractMesh(
 )
 
 
-@pytest.mark.parametrize("config,version", [(CompressConfig(), 1), (CompressConfig(single_pass=True), 1),
+@pytest.mark.parametrize("config,version", [(CompressConfig(), 1), (CompressConfig(single_pass=True, unverified_on_gpu=True), 1),
                                             (CompressConfig(), 2)])
 def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config, version):
   def f(x):
@@ -140,8 +141,43 @@ def test_look_back_sums_aggregates_across_windows_back_to_the_newest_inclusive_p
   state = jnp.asarray((values << 2) | flags, jnp.int32)
 
   def kernel(state_ref, out_ref):
-    out_ref[0] = C._look_back(state_ref, jnp.int32(t), jnp.int32(0))
+    out_ref[0] = C._look_back(state_ref, jnp.int32(t), jnp.int32(0))[0]
 
   got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), interpret=True,
                        in_specs=[pl.BlockSpec(memory_space=pl.ANY)], out_specs=pl.BlockSpec(memory_space=pl.ANY))(state)
   assert int(got[0]) == int(sizes[:t].sum())
+
+
+def test_look_back_gives_up_after_max_probes_when_a_predecessor_never_posts():
+  """The diagnostic bound: tile 40 waits on tile 39, which posted nothing; unbounded this spins
+  forever, with `max_probes` it returns after exactly that many probes."""
+  from pallas_kernels import compress as C
+
+  state = np.full(40 + C.LOOK_BACK, (13 << 2) | C.FLAG_AGGREGATE, np.int32)
+  state[0], state[39] = (13 << 2) | C.FLAG_INCLUSIVE, 0
+
+  def kernel(state_ref, out_ref):
+    out_ref[0], out_ref[1] = C._look_back(state_ref, jnp.int32(40), jnp.int32(0), max_probes=5)
+
+  got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((2,), jnp.int32), interpret=True,
+                       in_specs=[pl.BlockSpec(memory_space=pl.ANY)], out_specs=pl.BlockSpec(memory_space=pl.ANY))(
+                           jnp.asarray(state))
+  assert int(got[1]) == 5
+
+
+def test_single_pass_diagnostics_report_a_complete_chain():
+  from pallas_kernels.compress import single_pass_diagnostics
+
+  x = synthetic_blocks(jax.random.key(3), 4 * 4 * 8 + 4)  # 9 tiles of 4 groups, the last partial
+  d = single_pass_diagnostics(x, CompressConfig(single_pass=True, tile_groups=4, plan_blocks=4, max_probes=64),
+                              interpret=True)
+  assert d["ticket"] == d["tiles"] == 9 and d["flags"] == {"none": 0, "aggregate": 0, "inclusive": 9}
+  assert d["inclusive_prefix_ok"] and d["metadata_match"] and 1 <= d["probes_max"] <= 64
+
+
+def test_the_single_pass_kernel_is_refused_on_a_gpu_until_verified():
+  x = jnp.zeros((64, 512), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="unverified_on_gpu"):
+    compress_pallas(x, config=CompressConfig(single_pass=True), interpret=False)
+  with pytest.raises(ValueError, match="max_probes"):
+    CompressConfig(max_probes=-1)
