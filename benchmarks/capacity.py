@@ -2,6 +2,7 @@
 
   python -m benchmarks.capacity [--budget-gib 4] [--out benchmarks/results/capacity.json]
   python -m benchmarks.capacity --overhead [--out benchmarks/results/allocator_overhead.json]
+  python -m benchmarks.capacity --admission [--out benchmarks/results/admission.json]
 
 Capacity (host only, exact): for each model the same budget builds a
 `ServingConfig.from_budget` store (compressed: chunks plus page metadata;
@@ -18,6 +19,13 @@ K/V sources:
   92.8% of V blocks eligible, benchmarks/synthetic_kv.py); the model name says which.
 * Llama-3.1-8B shapes (32 layers, 8 KV heads, head_dim 128): synthetic blocks
   at the same statistics.
+
+Admission (host only, exact): `benchmarks/e2e.py`'s largest batch without a GPU. The same
+store as e2e's (`e2e.backend_for`: budget, offered slots, chunk size), the engine's own scheduler
+and allocator, and one warm-up request; then requests of `context` tokens are admitted until
+refused, each prefill's pages taking sizes drawn at a block eligibility (per layer, per page).
+Rows: {"model", "context", "budget_gib", "system", "eligible", "chunk_pages", "admitted",
+"stranded_gib"}.
 
 Overhead: per decode step at batch 64 and 8K context, Llama-3.1-8B shapes,
 the host's allocator work (plan, reservation, plan check, commit of the
@@ -233,10 +241,74 @@ def _kv_write_us(cfg: ServingConfig, plan) -> float:
   return statistics.median(times)
 
 
+def admitted_sequences(model: str, system: str, context: int, budget_gib: float = 48.0, eligible: float = 0.952,
+                       new_tokens: int = 256 + 2 * PAGE_SIZE + 2, chunk_pages: int | None = None, seed: int = 0) -> dict:
+  """How many `context`-token requests e2e's engine admits into `system`'s store (host simulation).
+
+  Page sizes: each block compressed (3 units) with probability `eligible`, else raw (4); BF16
+  pages are raw. `chunk_pages` None: e2e's own choice (`generate.chunk_pages_for`).
+  """
+  from benchmarks import e2e  # the store e2e builds (imported here: e2e pulls in the model stack)
+
+  config = get_config(model)
+  offered = e2e.offered_slots(context, 512)
+  build = functools.partial(e2e.backend_for, config, system, offered, context + new_tokens, int(budget_gib * 2**30))
+  if chunk_pages is None:
+    cfg = build().cfg
+  else:  # e2e's store at another chunk size
+    original = e2e.serving_config
+    e2e.serving_config = functools.partial(original, chunk_pages=chunk_pages)
+    try:
+      cfg = build().cfg
+    finally:
+      e2e.serving_config = original
+  rng = np.random.default_rng(seed)
+  alloc = ChunkAllocator(cfg, 1.0)
+  sched = Scheduler(cfg, alloc)
+
+  def units(n):  # int [L, n]
+    if not cfg.compressed:
+      return np.full((cfg.num_layers, n), cfg.page_units)
+    blocks = rng.random((cfg.num_layers, n, cfg.groups_per_page * cfg.blocks_per_page)) < eligible
+    return np.where(blocks, B.COMPRESSED_UNITS, B.RAW_UNITS).sum(axis=2)
+
+  def run(req, slot, placement):
+    alloc.commit(placement, units(placement.num_pages))
+    sched.started(req, slot, placement, 0)
+
+  sched.submit([1] * (PAGE_SIZE + 1), 2)  # e2e's warm-up request, finished before the load
+  warm = sched.admit()
+  run(*warm)
+  sched._finish(warm[0])
+  for _ in range(offered):
+    sched.submit([1] * context, new_tokens)
+  admitted = 0
+  while (next_one := sched.admit()) is not None:
+    run(*next_one)
+    admitted += 1
+  return {"model": model, "context": context, "budget_gib": budget_gib, "system": system,
+          "eligible": eligible if cfg.compressed else None, "chunk_pages": cfg.chunk_pages, "admitted": admitted,
+          "stranded_gib": alloc.capacity().stranded_bytes / 2**30}
+
+
+def admission_table() -> list[dict]:
+  """e2e's largest batches (Llama-3.1-8B, 48 GiB) at 16-page chunks and at the automatic size."""
+  rows = []
+  for context in (2048, 8192, 32768):
+    for chunk_pages in (16, None):
+      for system, eligible in (("uncompressed", 1.0), ("zipfusion", 0.952), ("zipfusion_v2", 0.999), ("zipfusion", 0.90)):
+        rows.append(admitted_sequences("llama3.1-8b", system, context, eligible=eligible, chunk_pages=chunk_pages))
+        r = rows[-1]
+        print(f"{context:6d} {r['chunk_pages']:3d} pages/chunk {system:13s} eligible {eligible:.3f}: "
+              f"{r['admitted']:4d} admitted, {r['stranded_gib']:.2f} GiB stranded", flush=True)
+  return rows
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--budget-gib", type=float, default=4.0)
   parser.add_argument("--overhead", action="store_true", help="measure the allocator step overhead instead")
+  parser.add_argument("--admission", action="store_true", help="e2e's largest batches by host simulation instead")
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--context", type=int, default=8192)
   parser.add_argument("--out", type=pathlib.Path, default=None)
@@ -245,6 +317,9 @@ def main(argv=None):
   if args.overhead:
     result = allocator_overhead(args.batch, args.context)
     out = args.out or pathlib.Path("benchmarks/results/allocator_overhead.json")
+  elif args.admission:
+    result = admission_table()
+    out = args.out or pathlib.Path("benchmarks/results/admission.json")
   else:
     budget = int(args.budget_gib * (1 << 30))
     result = [capacity_entry(m, budget, real_kv_tokens=args.real_kv_tokens) for m in ("smollm2-135m", "llama3.1-8b")]

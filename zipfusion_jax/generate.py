@@ -70,17 +70,49 @@ def _load(args):
   return resolve.from_name(args.model or DEFAULT_MODEL, random_weights=args.random_weights, seed=args.seed)
 
 
-CHUNK_PAGES = 16  # raw pages of one layer per store chunk: fine-grained enough for small budgets
+MIN_CHUNK_PAGES, MAX_CHUNK_PAGES = 16, 64  # raw pages of one layer per store chunk
+CHUNKS_PER_LAYER = 32  # the finest granularity worth keeping: a layer's store in at least this many chunks
+
+
+def chunk_pages_for(pages_per_layer: int, compressed: bool = True) -> int:
+  """Chunk size (raw pages of one layer) for a store of `pages_per_layer` raw pages per layer.
+
+  A layer opens a fresh chunk when a raw page no longer fits its current one, so each chunk
+  strands up to one raw page less one compressed page: ~4.6% of a 12-bit store at 16 pages a
+  chunk, ~1.1% at 64. Larger chunks pin more dead space of finished sequences, and a store must
+  keep enough chunks per layer to share them: the largest power of two in [16, 64] that leaves
+  >= 32 chunks per layer. Host simulation of `benchmarks/e2e.py`'s admission (Llama-3.1-8B, 48
+  GiB, 95% eligible): 16 -> 64 pages a chunk admits 57 -> 59 sequences at 8K (format 2: 58 ->
+  60), 209 -> 217 at 2K, 14 -> 15 at 32K (`python -m benchmarks.capacity --admission`).
+  A BF16 store strands nothing, and its budget rounds to fewer whole chunks when they are larger
+  (168 -> 167 sequences at 2K): it keeps 16.
+  """
+  if not compressed:
+    return MIN_CHUNK_PAGES
+  c = MIN_CHUNK_PAGES
+  while c * 2 <= MAX_CHUNK_PAGES and pages_per_layer // (c * 2) >= CHUNKS_PER_LAYER:
+    c *= 2
+  return c
 
 
 def serving_config(config, prompt_lens, max_new_tokens: int, max_batch: int, compressed: bool, kv_memory_mib=None,
-                   chunk_pages: int = CHUNK_PAGES, format_version: int = 1):
-  """The engine's geometry: slots, longest sequence, and a store from `--kv-memory-mib` (or room for all slots)."""
+                   chunk_pages: int | None = None, format_version: int = 1):
+  """The engine's geometry: slots, longest sequence, and a store from `--kv-memory-mib` (or room for all slots).
+
+  `chunk_pages` None: `chunk_pages_for` the store's raw pages per layer.
+  """
   from zipfusion_jax.serving.state import PAGE_SIZE, ServingConfig
 
   max_pages = -(-(max(prompt_lens) + max_new_tokens) // PAGE_SIZE)
+  num_slots = min(max_batch, len(prompt_lens))
+  if chunk_pages is None:
+    if kv_memory_mib is None:
+      pages_per_layer = num_slots * max_pages
+    else:  # raw bytes of one page in one layer: K and V of every KV head, 16 tokens, BF16
+      pages_per_layer = int(kv_memory_mib * 2**20) // (config.layers * 2 * config.kv_heads * PAGE_SIZE * config.head_dim * 2)
+    chunk_pages = chunk_pages_for(pages_per_layer, compressed)
   shape = dict(num_layers=config.layers, num_kv_heads=config.kv_heads, head_dim=config.head_dim,
-               num_slots=min(max_batch, len(prompt_lens)), max_pages=max_pages, chunk_pages=chunk_pages,
+               num_slots=num_slots, max_pages=max_pages, chunk_pages=chunk_pages,
                compressed=compressed, format_version=format_version)
   if kv_memory_mib is not None:
     try:
