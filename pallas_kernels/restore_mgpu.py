@@ -22,8 +22,8 @@ A operands. Everything here is per-thread integer work on 32-bit words
 A slot holding the sequence's raw tail page has it TMA-copied as BF16 bytes, in
 natural `[16, D]` order, into its own byte-stage slot (a slot holds 4 * nb units =
 16 * D * 2 bytes, exactly one BF16 page), and reads it from there; a slot past the sequence gives
-zeros (masked probabilities are 0, and 0 * garbage could be NaN). Every branch
-is warp-uniform.
+zeros in V (masked probabilities are 0, and 0 * garbage could be NaN) and whatever its stale bytes
+decode to in K (those scores are masked by a select). Every branch is warp-uniform.
 """
 
 from __future__ import annotations
@@ -223,13 +223,30 @@ def _decode_fragments_v2(parts):
   return words
 
 
+def block_starts_word(ops, word1):
+  """Unit offsets of a group's 4 blocks inside its stage slot, one per byte (block j in byte j),
+  from the group's slot bytes `word1`, in 7 integer ops (SWAR; `ops`: MLIR or numpy).
+
+  Block j starts at 3j units plus one per raw block before it (raw: 4 units, else 3). A byte is
+  raw iff it is 0xFF (FORMAT.md: compressed b/2 <= 0x7F, version 2's flagged 0x80 | b/2 <= 0xFD,
+  absent 0xFE): its low 7 bits plus one carry into bit 7 only at 0x7F, and bit 7 must be set.
+  Multiplying the per-byte raw flags by 0x01010100 sums each byte's predecessors (<= 3: no carry).
+  """
+  c = ops.const
+  raw = ops.and_(ops.and_(ops.add(ops.and_(word1, c(0x7F7F7F7F)), c(0x01010101)), word1), c(0x80808080))
+  return ops.add(ops.mul(ops.shr(raw, c(7)), c(0x01010100)), c(0x09060300))
+
+
+def _byte(word, shift):
+  """Byte `shift // 8` of `word` (shift an i32 value or an int)."""
+  shift = shift if isinstance(shift, ir.Value) else _c(shift)
+  return arith.andi(arith.shrui(word, shift), _c(0xFF))
+
+
 def _block_starts(word1, nblocks):
   """Unit offsets of the blocks of a group inside its stage slot (raw: 4 units, else 3)."""
-  starts, acc = [], _c(0)
-  for j in range(nblocks):
-    starts.append(acc)
-    acc = arith.addi(acc, arith.select(_eq(_slot_byte(word1, j), _c(RAW)), _c(4), _c(3)))
-  return starts
+  starts = block_starts_word(MlirOps, word1)
+  return [_byte(starts, 8 * j) for j in range(nblocks)]
 
 
 def _slot_byte(word1, j):
@@ -263,11 +280,16 @@ def _is(flags, flag):
   return _eq(arith.andi(flags, _c(flag)), _c(flag))
 
 
-def _select_slots(slots):
+def _select_slots(slots, zero_absent=True):
   """Flat words of page slots, each `(flags, page_words, tail_fn)`: `page_words` (decoded
-  unconditionally), zeros for a slot past the sequence, or `tail_fn()`'s words for the slot
-  holding the tail page, under one branch taken once per sequence."""
-  page = [[arith.select(_is(f, FLAG_PAGE), w, _c(0)) for w in words] for f, words, _ in slots]
+  unconditionally), zeros for a slot past the sequence (`zero_absent`), or `tail_fn()`'s words
+  for the slot holding the tail page, under one branch taken once per sequence.
+
+  K need not zero absent slots: their scores are replaced by -inf (a select, so NaN from stale
+  bytes is dropped) before anything reads them. V must: their probabilities are 0, and 0 * NaN
+  is NaN in the PV product."""
+  page = [[arith.select(_is(f, FLAG_PAGE), w, _c(0)) for w in words] if zero_absent else list(words)
+          for f, words, _ in slots]
   any_tail = functools.reduce(arith.ori, [_is(f, FLAG_TAIL) for f, _, _ in slots])
 
   def with_tail():
@@ -332,7 +354,7 @@ def restore_k(byte_ref, infos, *, head_dim):
     return [_load32(slot_ptr, arith.addi(base, _c(2 * (8 * h * head_dim + 32 * j + 16 * c + 8 * e))))
             for j in range(nblocks) for c in range(2) for e in range(2) for h in range(2)]
 
-  return _fragments(_select_slots([(flags, from_bytes(), from_tail)]), (4 * PAGE, head_dim))
+  return _fragments(_select_slots([(flags, from_bytes(), from_tail)], zero_absent=False), (4 * PAGE, head_dim))
 
 
 def restore_vt(byte_ref, infos, *, head_dim):
@@ -353,15 +375,12 @@ def restore_vt(byte_ref, infos, *, head_dim):
     slot_ptr = _gep(byte_ptr, _c((PAGES_PER_STEP + s) * slot_bytes))  # kind 1 (V), slot s
 
     def from_bytes(slot_ptr=slot_ptr, vw1=vw1, info=infos[s]):
-      starts = _block_starts(vw1, nblocks)
+      starts = block_starts_word(MlirOps, vw1)
       parts = []
       for m in range(groups):
         j_dyn = arith.addi(_c(2 * m), arith.shrui(warp, _c(1)))
-        start, hb = starts[0], _slot_byte(vw1, 0)
-        for j in range(1, nblocks):
-          is_j = _eq(j_dyn, _c(j))
-          start = arith.select(is_j, starts[j], start)
-          hb = arith.select(is_j, _slot_byte(vw1, j), hb)
+        shift = arith.shli(j_dyn, _c(3))  # byte j of the starts and slot-byte words
+        start, hb = _byte(starts, shift), _byte(vw1, shift)
         entry = _exception_entry(info[5], info[6], j_dyn) if v2 else None
         parts.append((_gep(slot_ptr, arith.muli(start, _c(UNIT))), frag, hb, entry))
       if v2:
