@@ -283,20 +283,25 @@ def _is(flags, flag):
 def _select_slots(slots, zero_absent=True):
   """Flat words of page slots, each `(flags, page_words, tail_fn)`: `page_words` (decoded
   unconditionally), zeros for a slot past the sequence (`zero_absent`), or `tail_fn()`'s words
-  for the slot holding the tail page, under one branch taken once per sequence.
+  for the slot holding the tail page.
 
+  Only a split's last steps hold the tail page or slots past the sequence, so the selects run
+  under one branch (uniform: every thread reads the same flags) that other steps skip.
   K need not zero absent slots: their scores are replaced by -inf (a select, so NaN from stale
   bytes is dropped) before anything reads them. V must: their probabilities are 0, and 0 * NaN
   is NaN in the PV product."""
-  page = [[arith.select(_is(f, FLAG_PAGE), w, _c(0)) for w in words] if zero_absent else list(words)
-          for f, words, _ in slots]
-  any_tail = functools.reduce(arith.ori, [_is(f, FLAG_TAIL) for f, _, _ in slots])
+  irregular = functools.reduce(arith.ori, [arith.cmpi(arith.CmpIPredicate.ne, f, _c(FLAG_PAGE)) for f, _, _ in slots])
+  n = sum(len(words) for _, words, _ in slots)
 
-  def with_tail():
-    return [arith.select(_is(f, FLAG_TAIL), tw, w) for (f, _, tail_fn), words in zip(slots, page)
-            for w, tw in zip(words, tail_fn())]
+  def selected():
+    out = []
+    for f, words, tail_fn in slots:
+      is_tail, is_page = _is(f, FLAG_TAIL), _is(f, FLAG_PAGE)
+      for w, tw in zip(words, tail_fn()):
+        out.append(arith.select(is_tail, tw, arith.select(is_page, w, _c(0)) if zero_absent else w))
+    return out
 
-  return _branch(any_tail, sum(map(len, page)), with_tail, lambda: [w for words in page for w in words])
+  return _branch(irregular, n, selected, lambda: [w for _, words, _ in slots for w in words])
 
 
 def _fragments(words, shape):
