@@ -200,7 +200,8 @@ def exception_biases(ops, frag, entry, flagged, half_base):
 
 
 def _decode_fragments_v2(parts):
-  """Version 2: `parts` = [(block_ptr, frag, slot_byte, entry)] of one thread -> their words, flat.
+  """Version 2: `parts` = [(block_ptr, frag, slot_byte, entry_fn)] of one thread -> their words, flat
+  (`entry_fn()` builds the block's exception entry: only the branch that folds exceptions runs it).
 
   The loads of every part are issued first (branch-free); the biases are plain hb unless one of
   the parts' blocks has an exception, under one warp-uniform branch that reads only metadata, so
@@ -210,8 +211,8 @@ def _decode_fragments_v2(parts):
   flagged = [_has_exception(slot) for _, _, slot, _ in parts]
 
   def folded():
-    return [b for (_, frag, _, entry), f, hb in zip(parts, flagged, half_bases)
-            for b in exception_biases(MlirOps, frag, entry, f, hb)]
+    return [b for (_, frag, _, entry_fn), f, hb in zip(parts, flagged, half_bases)
+            for b in exception_biases(MlirOps, frag, entry_fn(), f, hb)]
 
   def plain():
     return [b for hb in half_bases for b in (arith.muli(hb, _c(0x01010101)),) * 2]
@@ -347,7 +348,8 @@ def restore_k(byte_ref, infos, *, head_dim):
     ptrs = [_gep(slot_ptr, arith.muli(starts[j], _c(UNIT))) for j in range(nblocks)]
     if v2:
       return _decode_fragments_v2([(ptrs[j], arith.addi(lane, _c(32 * c)), _slot_byte(kw1, j),
-                                    _exception_entry(picked[3], picked[4], j)) for j in range(nblocks) for c in range(2)])
+                                    functools.partial(_exception_entry, picked[3], picked[4], j))
+                                   for j in range(nblocks) for c in range(2)])
     words = []
     for j in range(nblocks):
       for c in range(2):
@@ -386,8 +388,8 @@ def restore_vt(byte_ref, infos, *, head_dim):
         j_dyn = arith.addi(_c(2 * m), arith.shrui(warp, _c(1)))
         shift = arith.shli(j_dyn, _c(3))  # byte j of the starts and slot-byte words
         start, hb = _byte(starts, shift), _byte(vw1, shift)
-        entry = _exception_entry(info[5], info[6], j_dyn) if v2 else None
-        parts.append((_gep(slot_ptr, arith.muli(start, _c(UNIT))), frag, hb, entry))
+        entry_fn = functools.partial(_exception_entry, info[5], info[6], j_dyn) if v2 else None
+        parts.append((_gep(slot_ptr, arith.muli(start, _c(UNIT))), frag, hb, entry_fn))
       if v2:
         return _decode_fragments_v2(parts)
       return [w for ptr, frag_, hb, _ in parts for w in _decode_fragment(ptr, frag_, hb)]
