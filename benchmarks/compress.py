@@ -85,6 +85,8 @@ def main():
       # (unverified_on_gpu: the single-pass kernel hung on an H100 on 2026-12-05; see --diagnose.)
       "single_pass_tile1_w4": CompressConfig(single_pass=True, tile_groups=1, unverified_on_gpu=True),
       "single_pass_tile4_w4": CompressConfig(single_pass=True, tile_groups=4, unverified_on_gpu=True),
+      "single_pass_tile4_w4_scalar": CompressConfig(single_pass=True, tile_groups=4, scalar_look_back=True,
+                                                    unverified_on_gpu=True),
       "single_pass_tile8_w4": CompressConfig(single_pass=True, tile_groups=8, unverified_on_gpu=True),
       "single_pass_tile8_w8": CompressConfig(single_pass=True, tile_groups=8, num_warps=8, unverified_on_gpu=True),
       "single_pass_tile16_w8": CompressConfig(single_pass=True, tile_groups=16, num_warps=8, unverified_on_gpu=True),
@@ -95,7 +97,7 @@ def main():
     unknown = set(args.variants.split(",")) - set(variants)
     if unknown:
       raise SystemExit(f"unknown variants {sorted(unknown)}; known: {sorted(variants)}")
-    variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
+    variants = {k: variants[k] for k in args.variants.split(",")}  # in the order given
   if args.diagnose:
     return diagnose(x, {k: v for k, v in variants.items() if v.single_pass}, args.out)
   c_ref_small = zf.compress(x[:4096])

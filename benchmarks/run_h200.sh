@@ -14,8 +14,9 @@ mkdir -p "$out"
 # 32 x 2048, was slower than its 2-stage figure of 2026-12-04, 56.8 us). Stop on any FAIL.
 timeout -s KILL 420 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":2},{"stages":3},{"stages":2,"timing_probe":"compute"},{"stages":3,"timing_probe":"compute"}]' --out "$out/fused_kernel_stages_h200.json" 2>&1 | grep --line-buffered -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/stages_check.txt
 if grep -q FAIL /tmp/stages_check.txt; then echo "kernel check failed: stopping"; exit 1; fi
-# 2. Why the single-pass compressor hangs: a bounded look-back on a small input (returns even when stuck).
-timeout -s KILL 150 python3 -m benchmarks.compress --diagnose --gib 0.02 --variants single_pass_tile4_w4,single_pass_tile1_w4 --out "$out/compress_diagnose_h200.json" 2>&1 | grep --line-buffered -vE "Warning|^\s*$"
+# 2. Why the single-pass compressor hangs: a bounded look-back on a small input (returns even when stuck);
+# the scalar look-back (the previous design's read, which ran) first, as the A/B.
+timeout -s KILL 150 python3 -m benchmarks.compress --diagnose --gib 0.02 --variants single_pass_tile4_w4_scalar,single_pass_tile4_w4,single_pass_tile1_w4 --out "$out/compress_diagnose_h200.json" 2>&1 | grep --line-buffered -vE "Warning|^\s*$"
 # Format version 2 next to version 1, split into producer (copies) and consumer (compute) time;
 # stop on any FAIL.
 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":3}, {"stages":3,"timing_probe":"copies"}, {"stages":3,"timing_probe":"compute"}]' --out "$out/fused_kernel_v2_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/v2_check.txt

@@ -66,6 +66,9 @@ class CompressConfig:
     max_probes: single pass: a tile stops looking back after this many probes (0: never). A
       diagnostic bound: a tile that stops early writes wrong offsets, and
       `single_pass_diagnostics` reports it; keep 0 for real use.
+    scalar_look_back: single pass: read one predecessor state per probe with a scalar atomic
+      (the read of the previous single-pass design, which ran on the H200) instead of one per
+      thread; a diagnostic A/B for the hang below.
     unverified_on_gpu: allow the single-pass kernel to compile for a GPU. It hung on an H100
       (2026-12-05, even at 20k blocks; the cause is not yet known), so `compress_pallas`
       refuses it there unless this is set (benchmarks and diagnostics set it).
@@ -76,6 +79,7 @@ class CompressConfig:
   plan_blocks: int = 16
   num_warps: int = 4
   max_probes: int = 0
+  scalar_look_back: bool = False
   unverified_on_gpu: bool = False
 
   def __post_init__(self):
@@ -228,6 +232,13 @@ def _look_back(state_ref, t, first, window: int = LOOK_BACK, max_probes: int = 0
     searching = carry[2] == 0
     return searching & (carry[3] < max_probes) if max_probes else searching
 
+  def scalar_body(carry):  # window 1: one state per probe, a scalar atomic (one thread, broadcast)
+    j, excl, _, probes = carry
+    s = pltr.atomic_add(state_ref, (j,), j * 0)  # an atomic read (a traced 0: no loop consts)
+    flag = s & 3
+    ready = (flag != 0).astype(jnp.int32)
+    return j - ready, excl + ready * (s >> 2), (flag == FLAG_INCLUSIVE).astype(jnp.int32), probes + 1
+
   def body(carry):
     hi, excl, _, probes = carry  # the window: tiles lo .. hi (state_ref is padded by `window` entries)
     lo = jnp.maximum(hi - (window - 1), 0)
@@ -242,7 +253,8 @@ def _look_back(state_ref, t, first, window: int = LOOK_BACK, max_probes: int = 0
     done = complete * (newest >= 0).astype(jnp.int32)
     return hi - complete * (hi - lo + 1), excl + complete * add, done, probes + 1
 
-  _, excl, _, probes = jax.lax.while_loop(cond, body, (t - 1, t * 0, first, t * 0))
+  loop_body = scalar_body if window == 1 else body
+  _, excl, _, probes = jax.lax.while_loop(cond, loop_body, (jnp.maximum(t - 1, 0), t * 0, first, t * 0))
   return excl, probes
 
 
@@ -296,7 +308,7 @@ def _single_pass(bits2d, num_blocks: int, config, interpret):
   tiles = groups // config.tile_groups
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   params = pltr.CompilerParams(num_warps=config.num_warps)
-  window = look_back_window(config.num_warps)
+  window = 1 if config.scalar_look_back else look_back_window(config.num_warps)
   payload, meta, offsets, ticket, state, probes = pl.pallas_call(
       functools.partial(_single_pass_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, window=window,
                         max_probes=config.max_probes),

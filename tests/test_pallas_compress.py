@@ -40,7 +40,8 @@ def test_bytes_equal_reference_for_any_block_count(n):
 
 @pytest.mark.parametrize(
     "config",
-    [CompressConfig(single_pass=True), CompressConfig(single_pass=True, tile_groups=4), CompressConfig(plan_blocks=4)],
+    [CompressConfig(single_pass=True), CompressConfig(single_pass=True, tile_groups=4),
+     CompressConfig(single_pass=True, tile_groups=1, scalar_look_back=True), CompressConfig(plan_blocks=4)],
 )
 def test_retuned_configs_give_the_same_bytes(config):
   x = _mixed_blocks(200, seed=7)
