@@ -14,6 +14,9 @@ mkdir -p "$out"
 # 32 x 2048, was slower than its 2-stage figure of 2026-12-04, 56.8 us). Stop on any FAIL.
 timeout -s KILL 420 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":2},{"stages":3},{"stages":2,"timing_probe":"compute"},{"stages":3,"timing_probe":"compute"}]' --out "$out/fused_kernel_stages_h200.json" 2>&1 | grep --line-buffered -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/stages_check.txt
 if grep -q FAIL /tmp/stages_check.txt; then echo "kernel check failed: stopping"; exit 1; fi
+# 1b. Registers and SMEM per variant from ptxas (does the 3-stage ring, or register growth, cost the
+# second CTA per SM?). Compile only.
+timeout -s KILL 200 python3 -m benchmarks.kernel_resources --out "$out/kernel_resources_h200.json" 2>&1 | grep --line-buffered -E "registers|Error"
 # 2. Why the single-pass compressor hangs: a bounded look-back on a small input (returns even when stuck);
 # the scalar look-back (the previous design's read, which ran) first, as the A/B.
 timeout -s KILL 150 python3 -m benchmarks.compress --diagnose --gib 0.02 --variants single_pass_tile4_w4_scalar,single_pass_tile4_w4,single_pass_tile1_w4 --out "$out/compress_diagnose_h200.json" 2>&1 | grep --line-buffered -vE "Warning|^\s*$"
