@@ -9,7 +9,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
 # 1. Correctness of the restore changes not yet run on a GPU (SWAR block starts, slot selects under
-# one branch, K's absent slots unzeroed: commits 42c66b2..), then the ring depth on this card in the
+# one branch, K's absent slots unzeroed: commits 42c66b2, 9ecd08d, 2782ef6), then the ring depth on this card in the
 # same run (H100 2026-12-05: 3 stages beat 2 for format 1; the H200's only 3-stage run, 67.1 us at
 # 32 x 2048, was slower than its 2-stage figure of 2026-12-04, 56.8 us). Stop on any FAIL.
 timeout -s KILL 420 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":2},{"stages":3},{"stages":2,"timing_probe":"compute"},{"stages":3,"timing_probe":"compute"}]' --out "$out/fused_kernel_stages_h200.json" 2>&1 | grep --line-buffered -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/stages_check.txt
