@@ -252,16 +252,7 @@ def admitted_sequences(model: str, system: str, context: int, budget_gib: float 
 
   config = get_config(model)
   offered = e2e.offered_slots(context, 512)
-  build = functools.partial(e2e.backend_for, config, system, offered, context + new_tokens, int(budget_gib * 2**30))
-  if chunk_pages is None:
-    cfg = build().cfg
-  else:  # e2e's store at another chunk size
-    original = e2e.serving_config
-    e2e.serving_config = functools.partial(original, chunk_pages=chunk_pages)
-    try:
-      cfg = build().cfg
-    finally:
-      e2e.serving_config = original
+  cfg = e2e.backend_for(config, system, offered, context + new_tokens, int(budget_gib * 2**30), chunk_pages).cfg
   rng = np.random.default_rng(seed)
   alloc = ChunkAllocator(cfg, 1.0)
   sched = Scheduler(cfg, alloc)

@@ -15,6 +15,7 @@ ceiling measured in the same run, and the eligible-block fraction of the data.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import pathlib
@@ -28,8 +29,6 @@ import numpy as np
 
 import zipfusion_jax as zf
 from benchmarks.synthetic_kv import synthetic_blocks
-import dataclasses
-
 from pallas_kernels.compress import CompressConfig, compress_pallas, single_pass_diagnostics
 
 
@@ -72,7 +71,8 @@ def check_exact(x, c_kernel, c_ref_small, n_small, config):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--gib", type=float, default=1.0)
-  ap.add_argument("--out", default="benchmarks/results/compress_h200.json")
+  ap.add_argument("--out", default=None, help="default: benchmarks/results/compress_h200.json "
+                  "(--diagnose: compress_diagnose_h200.json)")
   ap.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
   ap.add_argument("--diagnose", action="store_true", help="single-pass look-back bookkeeping, bounded probes")
   args = ap.parse_args()
@@ -99,7 +99,9 @@ def main():
       raise SystemExit(f"unknown variants {sorted(unknown)}; known: {sorted(variants)}")
     variants = {k: variants[k] for k in args.variants.split(",")}  # in the order given
   if args.diagnose:
-    return diagnose(x, {k: v for k, v in variants.items() if v.single_pass}, args.out)
+    return diagnose(x, {k: v for k, v in variants.items() if v.single_pass},
+                    args.out or "benchmarks/results/compress_diagnose_h200.json")
+  args.out = args.out or "benchmarks/results/compress_h200.json"
   c_ref_small = zf.compress(x[:4096])
   rows = []
   # A real read+write pass of the same bytes (a bare copy can be elided by XLA).

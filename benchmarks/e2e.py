@@ -51,7 +51,7 @@ from benchmarks.generate import save_result
 from benchmarks.kv_outliers import real_kv_params
 from models.configs import get_config
 from models.params import random_params
-from zipfusion_jax.generate import eligible_block_fraction, serving_config
+from zipfusion_jax.generate import chunk_pages_for, eligible_block_fraction, serving_config
 from zipfusion_jax.paged.api import paged_decode_attention
 from zipfusion_jax.paged.cache import restore_pages
 from zipfusion_jax.serving.backend import PagedBackend
@@ -68,11 +68,19 @@ SYSTEMS = {  # name -> (compressed store, attention, format version)
 DEFAULT_SYSTEMS = "zipfusion,uncompressed,decompress_then_attend"
 
 
-def backend_for(config, system: str, slots: int, max_tokens: int, budget_bytes: int | None) -> PagedBackend:
-  """The system's backend; with a budget, the store fills it (less the decompression buffer)."""
+def backend_for(config, system: str, slots: int, max_tokens: int, budget_bytes: int | None,
+                chunk_pages: int | None = None) -> PagedBackend:
+  """The system's backend; with a budget, the store fills it (less the decompression buffer).
+
+  `chunk_pages` None: `generate.chunk_pages_for` the budget's raw pages per layer (or, without a
+  budget, the slots' pages)."""
   compressed, attention, format_version = SYSTEMS[system]
   encoder = "pallas" if jax.default_backend() == "gpu" else "reference"
-  cfg = serving_config(config, [max_tokens] * slots, 0, slots, compressed, format_version=format_version)
+  if chunk_pages is None and budget_bytes is not None:
+    raw_page_bytes = config.layers * 2 * config.kv_heads * PAGE_SIZE * config.head_dim * 2
+    chunk_pages = chunk_pages_for(budget_bytes // raw_page_bytes, compressed)
+  cfg = serving_config(config, [max_tokens] * slots, 0, slots, compressed, chunk_pages=chunk_pages,
+                       format_version=format_version)
   if budget_bytes is not None:
     shape = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("num_chunks", "num_page_ids")}
     def total(chunks):  # store + page metadata + the per-layer BF16 buffer (which grows with the page ids)

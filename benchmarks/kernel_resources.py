@@ -8,7 +8,9 @@ one). Each variant (format 1 / format 2 / BF16 pages x ring depth 2, 3) is compi
 Llama-3.1-8B shapes with Mosaic GPU's dump switches (`MOSAIC_GPU_DUMP_PTXAS`,
 `MOSAIC_GPU_DUMP_RESOURCES`, `MOSAIC_GPU_DUMP_TO`; names found in the CUDA plugin's binary, their
 output format not yet seen), and the files each compile adds are searched for ptxas's "Used N
-registers" and shared-memory byte counts. Nothing is timed. Writes
+registers" and shared-memory byte counts (ptxas counts static shared memory only; Mosaic GPU's
+scratch is dynamic, so the SMEM column is whatever the resource dump reports, possibly 0: the
+kernel's declared scratch is in docs/DECODE_KERNEL.md). Nothing is timed. Writes
 {"device", "jax", "rows": [{"variant", "registers", "smem_bytes", "dump_files"}]}; a variant
 whose dump has no match keeps None and the first lines of its dump, so the format can be read.
 """

@@ -446,12 +446,16 @@ def single_pass_diagnostics(x, config: CompressConfig, *, interpret: bool | None
   reference's; the payload bytes are checked by `compress_pallas`'s tests and the benchmark).
   With `config.max_probes` > 0 a stuck look-back ends, so a GPU run returns instead of hanging.
   """
+  interpret = resolve_interpret(interpret)
+  if not interpret and not config.max_probes:
+    raise ValueError("on a GPU, diagnose with a bounded look-back (CompressConfig(max_probes=...)): a stuck "
+                     "chain would otherwise hang the device")
   x = codec.check_blocks_input(x)
   bits = B.to_bits(x).reshape(-1, B.VALUES_PER_BLOCK)
   n = bits.shape[0]
   quantum = B.BLOCKS_PER_GROUP * max(config.plan_blocks, config.tile_groups)
   bits = jnp.pad(bits, ((0, -(-n // quantum) * quantum - n), (0, 0)))
-  run = jax.jit(functools.partial(_single_pass, num_blocks=n, config=config, interpret=resolve_interpret(interpret)))
+  run = jax.jit(functools.partial(_single_pass, num_blocks=n, config=config, interpret=interpret))
   _, meta, offsets, total, info = run(bits)
   state = jax.device_get(info["state"])
   flags = state & 3

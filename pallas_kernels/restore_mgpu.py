@@ -224,6 +224,9 @@ def _decode_fragments_v2(parts):
   return words
 
 
+assert (RAW, FB.META_ABSENT, FB.MAX_EXCEPTION_META) == (0xFF, 0xFE, 0xFD)  # what block_starts_word assumes
+
+
 def block_starts_word(ops, word1):
   """Unit offsets of a group's 4 blocks inside its stage slot, one per byte (block j in byte j),
   from the group's slot bytes `word1`, in 7 integer ops (SWAR; `ops`: MLIR or numpy).
@@ -291,7 +294,8 @@ def _select_slots(slots, zero_absent=True):
   K need not zero absent slots: their scores are replaced by -inf (a select, so NaN from stale
   bytes is dropped) before anything reads them. V must: their probabilities are 0, and 0 * NaN
   is NaN in the PV product."""
-  irregular = functools.reduce(arith.ori, [arith.cmpi(arith.CmpIPredicate.ne, f, _c(FLAG_PAGE)) for f, _, _ in slots])
+  differs = (lambda f: arith.cmpi(arith.CmpIPredicate.ne, f, _c(FLAG_PAGE))) if zero_absent else (lambda f: _is(f, FLAG_TAIL))
+  irregular = functools.reduce(arith.ori, [differs(f) for f, _, _ in slots])  # K: only the tail page matters
   n = sum(len(words) for _, words, _ in slots)
 
   def selected():

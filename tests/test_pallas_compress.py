@@ -182,3 +182,7 @@ def test_the_single_pass_kernel_is_refused_on_a_gpu_until_verified():
     compress_pallas(x, config=CompressConfig(single_pass=True), interpret=False)
   with pytest.raises(ValueError, match="max_probes"):
     CompressConfig(max_probes=-1)
+  from pallas_kernels.compress import single_pass_diagnostics
+
+  with pytest.raises(ValueError, match="bounded look-back"):  # diagnosing on a GPU needs the bound
+    single_pass_diagnostics(x, CompressConfig(single_pass=True), interpret=False)
