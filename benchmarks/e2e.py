@@ -51,7 +51,7 @@ from benchmarks.generate import save_result
 from benchmarks.kv_outliers import real_kv_params
 from models.configs import get_config
 from models.params import random_params
-from zipfusion_jax.generate import chunk_pages_for, eligible_block_fraction, serving_config
+from zipfusion_jax.generate import budget_pages_per_layer, chunk_pages_for, eligible_block_fraction, serving_config
 from zipfusion_jax.paged.api import paged_decode_attention
 from zipfusion_jax.paged.cache import restore_pages
 from zipfusion_jax.serving.backend import PagedBackend
@@ -77,8 +77,7 @@ def backend_for(config, system: str, slots: int, max_tokens: int, budget_bytes: 
   compressed, attention, format_version = SYSTEMS[system]
   encoder = "pallas" if jax.default_backend() == "gpu" else "reference"
   if chunk_pages is None and budget_bytes is not None:
-    raw_page_bytes = config.layers * 2 * config.kv_heads * PAGE_SIZE * config.head_dim * 2
-    chunk_pages = chunk_pages_for(budget_bytes // raw_page_bytes, compressed)
+    chunk_pages = chunk_pages_for(budget_pages_per_layer(config, budget_bytes), compressed)
   cfg = serving_config(config, [max_tokens] * slots, 0, slots, compressed, chunk_pages=chunk_pages,
                        format_version=format_version)
   if budget_bytes is not None:

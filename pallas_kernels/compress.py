@@ -403,6 +403,17 @@ def _compress_bits(bits2d: jax.Array, *, num_blocks: int, config: CompressConfig
   return payload, group_meta[:groups], total_units
 
 
+def _block_rows(x, config: CompressConfig):
+  """bf16 [..., 512] -> (uint16 [N', 512] padded to the kernels' quantum, N blocks)."""
+  bits = B.to_bits(x).reshape(-1, B.VALUES_PER_BLOCK)
+  n = bits.shape[0]
+  quantum = B.BLOCKS_PER_GROUP * max(config.plan_blocks, config.tile_groups)
+  padded = -(-n // quantum) * quantum
+  if padded != n:
+    bits = jnp.pad(bits, ((0, padded - n), (0, 0)))
+  return bits, n
+
+
 def compress_pallas(x, *, config: CompressConfig | None = None, interpret: bool | None = None,
                     version: int = B.FORMAT_VERSION) -> codec.CompressedBlocks:
   """Pallas encoder with the contract of `codec.compress_reference` (same bytes).
@@ -416,9 +427,7 @@ def compress_pallas(x, *, config: CompressConfig | None = None, interpret: bool 
   version = codec.check_version(version)
   x = codec.check_blocks_input(x)
   batch_shape = tuple(x.shape[:-1])
-  bits = B.to_bits(x).reshape(-1, B.VALUES_PER_BLOCK)
-  n = bits.shape[0]
-  config = config or heuristic_config(n)
+  config = config or heuristic_config(x.size // B.VALUES_PER_BLOCK)
   if version == 2 and config.single_pass:
     raise NotImplementedError("the single-pass kernel writes format version 1 only; use the two-pass default")
   interpret = resolve_interpret(interpret)
@@ -426,10 +435,7 @@ def compress_pallas(x, *, config: CompressConfig | None = None, interpret: bool 
     raise NotImplementedError(
         "the single-pass compression kernel hung on an H100 (2026-12-05) and is not yet verified on a GPU; "
         "use the two-pass default, or CompressConfig(unverified_on_gpu=True) to run it for diagnosis")
-  quantum = B.BLOCKS_PER_GROUP * max(config.plan_blocks, config.tile_groups)
-  padded = -(-n // quantum) * quantum
-  if padded != n:
-    bits = jnp.pad(bits, ((0, padded - n), (0, 0)))
+  bits, n = _block_rows(x, config)
   payload, group_meta, units = _compress_bits(
       bits, num_blocks=n, config=config, interpret=interpret, version=version
   )
@@ -451,10 +457,7 @@ def single_pass_diagnostics(x, config: CompressConfig, *, interpret: bool | None
     raise ValueError("on a GPU, diagnose with a bounded look-back (CompressConfig(max_probes=...)): a stuck "
                      "chain would otherwise hang the device")
   x = codec.check_blocks_input(x)
-  bits = B.to_bits(x).reshape(-1, B.VALUES_PER_BLOCK)
-  n = bits.shape[0]
-  quantum = B.BLOCKS_PER_GROUP * max(config.plan_blocks, config.tile_groups)
-  bits = jnp.pad(bits, ((0, -(-n // quantum) * quantum - n), (0, 0)))
+  bits, n = _block_rows(x, config)
   run = jax.jit(functools.partial(_single_pass, num_blocks=n, config=config, interpret=interpret))
   _, meta, offsets, total, info = run(bits)
   state = jax.device_get(info["state"])

@@ -254,7 +254,7 @@ def _block_starts(word1, nblocks):
 
 
 def _slot_byte(word1, j):
-  return arith.andi(arith.shrui(word1, _c(8 * j)), _c(0xFF))
+  return _byte(word1, 8 * j)
 
 
 def _thread():

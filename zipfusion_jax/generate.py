@@ -95,6 +95,13 @@ def chunk_pages_for(pages_per_layer: int, compressed: bool = True) -> int:
   return c
 
 
+def budget_pages_per_layer(config, budget_bytes: int) -> int:
+  """Raw (BF16) pages of every layer that `budget_bytes` holds: K and V of every KV head, 16 tokens."""
+  from zipfusion_jax.serving.state import PAGE_SIZE
+
+  return int(budget_bytes) // (config.layers * 2 * config.kv_heads * PAGE_SIZE * config.head_dim * 2)
+
+
 def serving_config(config, prompt_lens, max_new_tokens: int, max_batch: int, compressed: bool, kv_memory_mib=None,
                    chunk_pages: int | None = None, format_version: int = 1):
   """The engine's geometry: slots, longest sequence, and a store from `--kv-memory-mib` (or room for all slots).
@@ -108,8 +115,8 @@ def serving_config(config, prompt_lens, max_new_tokens: int, max_batch: int, com
   if chunk_pages is None:
     if kv_memory_mib is None:
       pages_per_layer = num_slots * max_pages
-    else:  # raw bytes of one page in one layer: K and V of every KV head, 16 tokens, BF16
-      pages_per_layer = int(kv_memory_mib * 2**20) // (config.layers * 2 * config.kv_heads * PAGE_SIZE * config.head_dim * 2)
+    else:
+      pages_per_layer = budget_pages_per_layer(config, int(kv_memory_mib * 2**20))
     chunk_pages = chunk_pages_for(pages_per_layer, compressed)
   shape = dict(num_layers=config.layers, num_kv_heads=config.kv_heads, head_dim=config.head_dim,
                num_slots=num_slots, max_pages=max_pages, chunk_pages=chunk_pages,
