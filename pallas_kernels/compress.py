@@ -13,11 +13,12 @@ blocks from HBM once (one vector load), decides their rules and in-tile offsets
 with vector reductions, posts the tile's size, finds its payload offset by a
 decoupled look-back over earlier tiles (a ticket counter hands out tiles in
 launch order, so waiting cannot deadlock; each probe reads one predecessor's
-state per thread, so no racy read is replicated across warps), then re-reads each block (L2) and writes it with unrolled,
-independent stores; a write-only kernel zeroes the tail. Version 1 only. The
-previous single-pass design (per-group `fori_loop`s, one state per probe) was
-measured slower than two-pass on the H200 (1 GiB: 5.9 ms at one group per tile,
-1.95 ms at 16, vs 0.83 ms); this one is not yet measured on a GPU.
+state per thread, read with volatile loads), then re-reads each block (L2) and writes it with
+unrolled, independent stores; a write-only kernel zeroes the tail. Version 1 only. Correct on
+the H100 and the H200 (2026-12-05: bytes == reference, 1 GiB round trip bit-exact) but slower
+than two-pass there (H200, 1 GiB: 0.99 ms at best vs 0.84 ms): the look-back chain, not HBM,
+bounds it (benchmarks/RESULTS.md). Its first GPU runs hung: the window was read with a vector
+atomic add of zeros, which erased the posted states on the GPU (interpret mode never showed it).
 
 Backend: Pallas Triton. Placement of variable-size blocks needs scalar
 address arithmetic and strided/masked stores, which the Triton lowering
@@ -67,11 +68,7 @@ class CompressConfig:
       diagnostic bound: a tile that stops early writes wrong offsets, and
       `single_pass_diagnostics` reports it; keep 0 for real use.
     scalar_look_back: single pass: read one predecessor state per probe with a scalar atomic
-      (the read of the previous single-pass design, which ran on the H200) instead of one per
-      thread; a diagnostic A/B for the hang below.
-    unverified_on_gpu: allow the single-pass kernel to compile for a GPU. It hung on an H100
-      (2026-12-05, even at 20k blocks; the cause is not yet known), so `compress_pallas`
-      refuses it there unless this is set (benchmarks and diagnostics set it).
+      instead of a window of volatile loads (one per thread); slower (more probes), kept as the A/B.
   """
 
   single_pass: bool = False
@@ -80,7 +77,6 @@ class CompressConfig:
   num_warps: int = 4
   max_probes: int = 0
   scalar_look_back: bool = False
-  unverified_on_gpu: bool = False
 
   def __post_init__(self):
     for name in ("plan_blocks", "tile_groups"):
@@ -221,7 +217,7 @@ def _tile_sizes(meta):
 def _look_back(state_ref, t, first, window: int = LOOK_BACK, max_probes: int = 0):
   """(units of tiles 0 .. t - 1, probes made), by decoupled look-back over `state_ref` (value << 2 | flag).
 
-  Reads `window` predecessors per probe (one vector atomic read): sums every aggregate after
+  Reads `window` predecessors per probe (one volatile vector load): sums every aggregate after
   the latest inclusive prefix in the window and stops there; re-probes the same window while
   a tile after that prefix has posted nothing yet; else moves the window back. With
   `max_probes` > 0 it gives up after that many probes (diagnostics only: the sum is then wrong).
@@ -244,7 +240,9 @@ def _look_back(state_ref, t, first, window: int = LOOK_BACK, max_probes: int = 0
     lo = jnp.maximum(hi - (window - 1), 0)
     index = lo + lanes
     valid = index <= hi
-    s = pltr.atomic_add(state_ref, (pl.ds(lo, window),), jnp.zeros((window,), jnp.int32))  # an atomic read
+    # A volatile load (L2, never a stale L1 line): each 32-bit state is one consistent word. (A
+    # vector atomic add of zeros here erased the posted states on an H100: 2026-12-05 diagnosis.)
+    s = pltr.load(state_ref.at[pl.ds(lo, window)], volatile=True)
     flag = jnp.where(valid, s & 3, 0)
     newest = jnp.max(jnp.where(valid & (flag == FLAG_INCLUSIVE), index, -1))
     counted = valid & (index >= newest)
@@ -298,9 +296,42 @@ def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref
     _store_block(payload_ref, excl + pick(starts), pick(meta), x, y)
 
 
-def _zero_kernel(total_ref, _payload_in_ref, payload_ref):
+ZERO_PROGRAMS = 1024  # programs of the tail-zeroing kernel (a few per SM), each looping over windows
+
+
+def _zero_kernel(total_ref, _payload_in_ref, payload_ref, *, groups: int, programs: int):
   # total_ref: int32 [1]; payload_ref: uint8 [groups * 16 * 64, 4] (aliased in and out)
-  _zero_tail(payload_ref, pl.program_id(0), total_ref[0])
+  # Windows from the one holding the first unused row to the end, strided over the programs: a
+  # program per window (the previous grid) cost 174 us at 1 GiB (H200), almost all of it programs
+  # whose window holds data and store nothing.
+  total = total_ref[0]
+  first = total * ROWS_PER_UNIT // WINDOW_ROWS + pl.program_id(0)
+  count = jnp.maximum(groups - first + programs - 1, 0) // programs
+
+  def body(k, carry):
+    _zero_tail(payload_ref, first + k * programs, total)
+    return carry
+
+  jax.lax.fori_loop(0, count, body, 0)
+
+
+def zero_payload_tail(payload, total_units, *, num_warps: int = 4, interpret: bool = False):
+  """Zero the rows of `payload` (uint8 [groups * 16 * 64, 4]) from unit `total_units` (int32 [1]) on,
+  in place (aliased); the rows before it are left as they are."""
+  groups = payload.shape[0] // WINDOW_ROWS
+  programs = min(groups, ZERO_PROGRAMS)
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  return pl.pallas_call(
+      functools.partial(_zero_kernel, groups=groups, programs=programs),
+      grid=(programs,),
+      in_specs=[any_spec, any_spec],  # units in use, payload in
+      out_specs=any_spec,
+      out_shape=jax.ShapeDtypeStruct(payload.shape, jnp.uint8),
+      input_output_aliases={1: 0},
+      interpret=interpret,
+      compiler_params=pltr.CompilerParams(num_warps=num_warps),
+      name="zipfusion_compress_zero_tail",
+  )(total_units, payload)
 
 
 def _single_pass(bits2d, num_blocks: int, config, interpret):
@@ -329,17 +360,7 @@ def _single_pass(bits2d, num_blocks: int, config, interpret):
       name="zipfusion_compress_single_pass",
   )(bits2d.reshape(-1, 4), bits2d, jnp.zeros((1,), jnp.int32), jnp.zeros((tiles + window,), jnp.int32))
   total = (state[tiles - 1 : tiles] >> 2).astype(jnp.int32)
-  payload = pl.pallas_call(
-      _zero_kernel,
-      grid=(groups,),
-      in_specs=[any_spec, any_spec],  # units in use, payload in
-      out_specs=any_spec,
-      out_shape=jax.ShapeDtypeStruct(payload.shape, jnp.uint8),
-      input_output_aliases={1: 0},
-      interpret=interpret,
-      compiler_params=params,
-      name="zipfusion_compress_zero_tail",
-  )(total, payload)
+  payload = zero_payload_tail(payload, total, num_warps=config.num_warps, interpret=interpret)
   return payload, meta, offsets, total[0], {"ticket": ticket[0], "state": state[:tiles], "probes": probes}
 
 
@@ -431,10 +452,6 @@ def compress_pallas(x, *, config: CompressConfig | None = None, interpret: bool 
   if version == 2 and config.single_pass:
     raise NotImplementedError("the single-pass kernel writes format version 1 only; use the two-pass default")
   interpret = resolve_interpret(interpret)
-  if config.single_pass and not interpret and not config.unverified_on_gpu:
-    raise NotImplementedError(
-        "the single-pass compression kernel hung on an H100 (2026-12-05) and is not yet verified on a GPU; "
-        "use the two-pass default, or CompressConfig(unverified_on_gpu=True) to run it for diagnosis")
   bits, n = _block_rows(x, config)
   payload, group_meta, units = _compress_bits(
       bits, num_blocks=n, config=config, interpret=interpret, version=version

@@ -71,7 +71,7 @@ H200 = AbstractMesh(
 )
 
 
-@pytest.mark.parametrize("config,version", [(CompressConfig(), 1), (CompressConfig(single_pass=True, unverified_on_gpu=True), 1),
+@pytest.mark.parametrize("config,version", [(CompressConfig(), 1), (CompressConfig(single_pass=True), 1),
                                             (CompressConfig(), 2)])
 def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config, version):
   def f(x):
@@ -176,10 +176,19 @@ def test_single_pass_diagnostics_report_a_complete_chain():
   assert d["inclusive_prefix_ok"] and d["metadata_match"] and 1 <= d["probes_max"] <= 64
 
 
-def test_the_single_pass_kernel_is_refused_on_a_gpu_until_verified():
+@pytest.mark.parametrize("groups,total_units", [(3, 0), (3, 17), (3, 47), (3, 48), (40, 5 * 16 + 3), (1100, 1050 * 16)])
+def test_zero_payload_tail_zeroes_exactly_the_rows_past_the_data(groups, total_units):
+  from pallas_kernels.compress import ROWS_PER_UNIT, WINDOW_ROWS, zero_payload_tail
+
+  payload = jnp.full((groups * WINDOW_ROWS, 4), 0xA5, jnp.uint8)  # stands for the kernel's unwritten bytes
+  out = np.asarray(zero_payload_tail(payload, jnp.array([total_units], jnp.int32), interpret=True))
+  used = total_units * ROWS_PER_UNIT
+  assert np.all(out[:used] == 0xA5), "a row holding data was overwritten"
+  assert np.all(out[used:] == 0), "a row past the data was left unzeroed"
+
+
+def test_single_pass_bad_configs_are_refused():
   x = jnp.zeros((64, 512), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="unverified_on_gpu"):
-    compress_pallas(x, config=CompressConfig(single_pass=True), interpret=False)
   with pytest.raises(ValueError, match="max_probes"):
     CompressConfig(max_probes=-1)
   from pallas_kernels.compress import single_pass_diagnostics
