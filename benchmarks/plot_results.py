@@ -16,8 +16,9 @@ import matplotlib.pyplot as plt
 
 HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results"
-SYSTEMS = ("zipfusion", "uncompressed", "decompress_then_attend")
-COLORS = {"zipfusion": "tab:green", "uncompressed": "tab:blue", "decompress_then_attend": "tab:red"}
+SYSTEMS = ("zipfusion", "zipfusion_v2", "uncompressed", "decompress_then_attend")
+COLORS = {"zipfusion": "tab:green", "zipfusion_v2": "tab:olive", "uncompressed": "tab:blue",
+          "decompress_then_attend": "tab:red"}
 KERNELS = ("zipfusion_compressed", "zipfusion_uncompressed", "pallas_paged", "decompress_then_attend")
 
 
@@ -36,12 +37,14 @@ def draw_e2e_throughput(ax, result: dict) -> None:
   settings = _budget_settings(result)
   width = 0.8 / len(SYSTEMS)
   for i, system in enumerate(SYSTEMS):
+    labelled = False
     for j, key in enumerate(settings):
       r = next((r for r in rows if (r["model"], r["context"], r["kv_budget_gib"]) == key and r["system"] == system), None)
       if r is None:
         continue
-      x = j + (i - 1) * width
-      ax.bar(x, r["decode_tokens_per_s"], width, color=COLORS[system], label=system if j == 0 else None)
+      x = j + (i - (len(SYSTEMS) - 1) / 2) * width
+      ax.bar(x, r["decode_tokens_per_s"], width, color=COLORS[system], label=None if labelled else system)
+      labelled = True
       ax.text(x, r["decode_tokens_per_s"], f"B={r['batch']}", ha="center", va="bottom", fontsize=7)
   ax.set_xticks(range(len(settings)), [f"{m}\n{c // 1024}K, {b:g} GiB" for m, c, b in settings])
   ax.set_ylabel("decode tokens/s")
