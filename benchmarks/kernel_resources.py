@@ -32,6 +32,11 @@ VARIANTS = {  # name -> (cache, DecodeConfig knobs)
     "format2_stages3": ("comp2", {"stages": 3}),
     "bf16_stages2": ("plain", {"stages": 2}),
     "bf16_stages3": ("plain", {"stages": 3}),
+    # two consumer warpgroups (384 threads): ptxas must stay <= 168 registers
+    "format1_consumers2_stages2": ("comp", {"stages": 2, "consumers": 2}),
+    "format1_consumers2_stages4": ("comp", {"stages": 4, "consumers": 2}),
+    "format2_consumers2_stages4": ("comp2", {"stages": 4, "consumers": 2}),
+    "bf16_consumers2_stages2": ("plain", {"stages": 2, "consumers": 2}),
 }
 REGISTERS = re.compile(r"Used (\d+) registers")
 SMEM = re.compile(r"(\d+) bytes smem|smem[^0-9\n]{0,24}(\d+)", re.IGNORECASE)

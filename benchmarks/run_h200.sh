@@ -8,26 +8,22 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
-# 1. Correctness of the restore changes not yet run on a GPU (SWAR block starts, slot selects under
-# one branch, K's absent slots unzeroed: commits 42c66b2, 9ecd08d, 2782ef6), then the ring depth on this card in the
-# same run (H100 2026-12-05: 3 stages beat 2 for format 1; the H200's only 3-stage run, 67.1 us at
-# 32 x 2048, was slower than its 2-stage figure of 2026-12-04, 56.8 us). Stop on any FAIL.
-timeout -s KILL 420 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":2},{"stages":3},{"stages":2,"timing_probe":"compute"},{"stages":3,"timing_probe":"compute"}]' --out "$out/fused_kernel_stages_h200.json" 2>&1 | grep --line-buffered -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/stages_check.txt
-if grep -q FAIL /tmp/stages_check.txt; then echo "kernel check failed: stopping"; exit 1; fi
-# 1b. Registers and SMEM per variant from ptxas (does the 3-stage ring, or register growth, cost the
-# second CTA per SM?). Compile only.
+# 1. Two consumer warpgroups (DecodeConfig(consumers=2), new, never run on a GPU): correctness on
+# every case, then timing against the one-consumer kernel and cuDNN in the same run. Why: at 150
+# registers (ptxas, 2026-12-05) the one-consumer kernel runs one CTA per SM, so on the H200 (consumer
+# bound) it only ties cuDNN; two consumers per CTA get 168 registers each from ptxas by construction.
+# Stop on any FAIL. If it wins, make consumers=2 the heuristic's default for 12-bit pages, then e2e.
+timeout -s KILL 420 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":3},{"stages":2,"consumers":2},{"stages":4,"consumers":2},{"stages":3,"timing_probe":"compute"},{"stages":4,"consumers":2,"timing_probe":"compute"}]' --out "$out/fused_kernel_consumers_h200.json" 2>&1 | grep --line-buffered -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/consumers_check.txt
+if grep -q FAIL /tmp/consumers_check.txt; then echo "kernel check failed: stopping"; exit 1; fi
+# 1b. Registers per variant (ptxas dumps; compile only), the two-consumer ones included.
 timeout -s KILL 200 python3 -m benchmarks.kernel_resources --out "$out/kernel_resources_h200.json" 2>&1 | grep --line-buffered -E "registers|Error"
-# 2. Why the single-pass compressor hangs: a bounded look-back on a small input (returns even when stuck);
-# the scalar look-back (the previous design's read, which ran) first, as the A/B.
-timeout -s KILL 150 python3 -m benchmarks.compress --diagnose --gib 0.02 --variants single_pass_tile4_w4_scalar,single_pass_tile4_w4,single_pass_tile1_w4 --out "$out/compress_diagnose_h200.json" 2>&1 | grep --line-buffered -vE "Warning|^\s*$"
+# 2. The single-pass compressor with the strided tail zeroing (was 174 us of its 987 us), against two-pass.
+timeout -s KILL 300 python3 -m benchmarks.compress --variants single_pass_tile2_w1,single_pass_tile4_w4,two_pass_plan16_w4 --out "$out/compress_h200.json" 2>&1 | grep --line-buffered -vE "Warning|^\s*$"
 # Format version 2 next to version 1, split into producer (copies) and consumer (compute) time;
 # stop on any FAIL.
 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":3}, {"stages":3,"timing_probe":"copies"}, {"stages":3,"timing_probe":"compute"}]' --out "$out/fused_kernel_v2_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/v2_check.txt
 if grep -q FAIL /tmp/v2_check.txt; then echo "kernel check failed: stopping"; exit 1; fi
 python3 -m benchmarks.fused_kernel_check --out "$out/fused_kernel_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion"
-# The compression kernels (issue 3): the vectorized single pass against two-pass and a copy, same run.
-# (Only once --diagnose shows the single pass completes; a hung kernel ignores SIGINT / SIGTERM.)
-timeout -s KILL 400 python3 -m benchmarks.compress --out "$out/compress_h200.json" 2>&1 | tail -12
 python3 -m benchmarks.attention --out "$out/attention_h200.json" 2>&1 | grep -vE "^\s*$|Warning"
 python3 -m benchmarks.generate --batch 32 --context 8192 --out "$out/generate_h200.json" 2>&1 | tail -8
 python3 -m benchmarks.capacity --overhead --out "$out/allocator_overhead_h200.json" 2>&1 | tail -5

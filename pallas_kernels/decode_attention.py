@@ -50,7 +50,7 @@ LOAD_ARRIVALS = 2 * STEP_PAGES + 1  # one per (slot, K/V): a copy or a plain arr
 QROWS = 8  # query rows copied per CTA (>= heads per KV head)
 LSE_ROWS = 16  # rows of the (row-broadcast) log-sum-exp tile copied out: 512 B, a legal TMA
 LOG2E = 1.4426950408889634
-CTAS_PER_SM = 2  # the default config's SMEM and registers fit two
+CTAS_PER_SM = 2  # the split heuristic's target: two CTAs fit while ptxas needs <= 128 registers (BF16 pages)
 NUM_SMS = 132
 
 
@@ -74,6 +74,13 @@ class DecodeConfig:
       `setmaxnreg` at all (ptxas sizes one register count for both warpgroups), which is what
       gets 2 CTAs/SM; 232, 208 and 168 all measured at one (H200, 2026-12-04: 32 x 2048
       compressed 78.7 us at 208 with warp_issue, 56.8 us at 0).
+    consumers: consumer warpgroups per CTA (1 or 2), sharing one producer and one ring: consumer
+      c takes steps c, c + consumers, ... with its own softmax state and writes its own partial
+      (a virtual split, merged by the split combine). With 2, a CTA has 384 threads, so ptxas
+      caps every thread at 168 registers and two consumers always share an SM; with 1, two CTAs
+      share an SM only while ptxas needs <= 128 registers (format 1 needed 150 on 2026-12-05: one
+      CTA per SM, the H200's consumer-bound figure). `stages` must be a multiple of it (each
+      consumer then waits on every phase of its own stages' barriers).
     timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
       waits for and releases each stage (the producer's copy rate), "compute" = the producer
       issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
@@ -84,6 +91,7 @@ class DecodeConfig:
   timing_probe: str = ""
   warp_issue: bool = True
   consumer_registers: int = 0
+  consumers: int = 1
 
   def __post_init__(self):
     if self.splits < 1:
@@ -94,9 +102,14 @@ class DecodeConfig:
       raise ValueError(f"{self.consumer_registers=} must be 0 or a multiple of 8 in [64, 256]")
     if self.timing_probe not in ("", "copies", "compute"):
       raise ValueError(f"{self.timing_probe=} must be '', 'copies' or 'compute'")
+    if self.consumers not in (1, 2):
+      raise ValueError(f"{self.consumers=} must be 1 or 2")
+    if self.stages % self.consumers:
+      raise ValueError(f"{self.stages=} must be a multiple of {self.consumers=} (each consumer owns whole stages)")
 
 
-def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool = False) -> DecodeConfig:
+def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool = False,
+                     consumers: int = 1) -> DecodeConfig:
   """Pick splits so the grid about fills every CTA slot while each split keeps >= 4 steps, and
   the ring depth by store.
 
@@ -113,19 +126,27 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool
   a BF16 step's, so at the same depth fewer bytes are in flight; with the tail page in its
   byte-stage slot, 3 stages (~109 KB of SMEM at D = 128) still fit two CTAs per SM (H100,
   2026-12-05, compressed: 32 x 2048 89.0 -> 82.3 us, 8 x 8192 94.5 -> 88.1 us; BF16 pages
-  unchanged, 94.9 / 97.6 us at both depths).
+  unchanged, 94.9 / 97.6 us at both depths). At 150 registers (2026-12-05) format 1 no longer
+  fits two CTAs per SM; `CTAS_PER_SM` is what the BF16 path still gets.
+
+  With `consumers=2` (not yet the default: unmeasured on a GPU) a CTA holds two consumers and
+  an SM one CTA, so the grid targets one CTA per SM, and the ring is 4 deep for 12-bit pages
+  (each consumer owns 2 stages; ~140 KB of SMEM at D = 128), 2 for BF16 pages.
   """
   ctas = batch * kv_heads
   steps = -(-max(max_pages, 1) // STEP_PAGES)
+  slots = (CTAS_PER_SM if consumers == 1 else 1) * NUM_SMS
   splits = 1
-  while ctas * splits < 0.9 * CTAS_PER_SM * NUM_SMS and steps // (2 * splits) >= 4:
+  while ctas * splits < 0.9 * slots and steps // (2 * splits) >= 4:
     splits *= 2
-  return DecodeConfig(splits=splits, stages=3 if compressed else 2)
+  if consumers == 1:
+    return DecodeConfig(splits=splits, stages=3 if compressed else 2)
+  return DecodeConfig(splits=splits, stages=4 if compressed else 2, consumers=consumers)
 
 
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
             compressed, version, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages,
-            timing_probe, warp_issue, consumer_registers, interpret):
+            timing_probe, warp_issue, consumer_registers, consumers, interpret):
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
@@ -134,8 +155,9 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       same bytes as uint8 [B, Hkv, 4 * nb, 256]: one byte-stage slot, where the tail page lands;
     compressed: arena_ref u8 [U, 256], meta_ref u32 [Hkv, P, 2, 2] (format version 2: [Hkv, P, 2, 4]);
     else: k_pages_ref, v_pages_ref bf16 [Hkv, P, 16, D];
-    o_ref: f32 [B, Hkv, splits, D, 8] (O^T; columns >= G unused);
-    lse_ref: f32 [B, Hkv, splits, 16, 8] (log2 domain, every row the same).
+    o_ref: f32 [B, Hkv, splits * consumers, D, 8] (O^T; columns >= G unused);
+    lse_ref: f32 [B, Hkv, splits * consumers, 16, 8] (log2 domain, every row the same).
+  Consumer c of split s writes partial s * consumers + c.
   """
   store_a, store_b, o_ref, lse_ref, scoped = refs
   nb = head_dim // 32
@@ -143,7 +165,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   wg = lax.axis_index("wg")
   (q_smem, stream_or_epilogue, info_smem, chunk_smem, pt_smem), (q_bar, load_bars, consumed_bars) = scoped
   in_registers = compressed and not interpret  # restore straight into wgmma A fragments
-  stream, (o_smem, lse_smem) = stream_or_epilogue  # one SMEM region: the ring, then O and LSE
+  stream, (o_smem, lse_smem) = stream_or_epilogue  # one consumer: one SMEM region, the ring then O and LSE
   stream = iter(stream)
   k_smem, v_smem = (None, None) if in_registers else (next(stream), next(stream))
   byte_smem = next(stream) if compressed else None
@@ -161,20 +183,27 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   def slot_infos(stage):
     return [tuple(info_smem[stage, s, i] for i in range(info_words)) for s in range(STEP_PAGES)]
 
-  @pl.when(wg == 0)
+  @pl.when(wg < consumers)
   def _consumer():
+    c = wg  # this consumer: steps c, c + consumers, ...
     if consumer_registers:
       plgpu.set_max_registers(consumer_registers, action="increase")
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds((b * kv_heads + kvh) * row_stride, QROWS)], q_smem, q_bar)
+
+    @pl.when(c == 0)
+    def _():
+      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds((b * kv_heads + kvh) * row_stride, QROWS)], q_smem, q_bar)
+
     plgpu.barrier_wait(q_bar)
     q_t = q_smem.transpose((1, 0))  # B operand [D, 8]
-    pt_b = pt_smem.transpose((1, 0))  # B operand [64 tokens, 8]
+    pt_mine = pt_smem.at[c]
+    pt_b = pt_mine.transpose((1, 0))  # B operand [64 tokens, 8]
     m_i = plgpu.layout_cast(jnp.full((QROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
     l_rows = plgpu.layout_cast(jnp.full((STEP_TOKENS, QROWS), 0, jnp.float32), plgpu.Layout.WGMMA)
     acc = plgpu.layout_cast(jnp.full((head_dim, QROWS), 0, jnp.float32), plgpu.Layout.WGMMA)
 
-    def step(i, carry):
+    def step(j, carry):
       acc, m_i, l_rows = carry
+      i = j * consumers + c
       stage = lax.rem(i, stages)
       plgpu.barrier_wait(load_bars.at[stage])
       if timing_probe == "copies":
@@ -216,9 +245,9 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
       p16 = p.astype(jnp.bfloat16)
       if interpret:
-        pt_smem[...] = p16.T
+        pt_mine[...] = p16.T
       else:
-        _inline_store_pt(p16, pt_smem)
+        _inline_store_pt(p16, pt_mine)
       plgpu.commit_smem()
 
       if interpret:  # run_state over an ACC leaves a wgmma effect the interpreter cannot lower
@@ -236,19 +265,22 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
         plgpu.barrier_arrive(consumed_bars.at[stage])
       return acc, m_new, l_rows
 
-    acc, m_i, l_rows = lax.fori_loop(0, n_steps, step, (acc, m_i, l_rows))
+    my_steps = jnp.maximum(n_steps - c + consumers - 1, 0) // consumers
+    acc, m_i, l_rows = lax.fori_loop(0, my_steps, step, (acc, m_i, l_rows))
     l_i = l_rows.sum(axis=0)
     empty = l_i == 0
     l_safe = jnp.where(empty, 1.0, l_i)
-    o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])
+    o_mine, lse_mine = o_smem.at[c], lse_smem.at[c]
+    o_mine[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])
     lse = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_safe))
-    lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [1])
+    lse_mine[...] = lax.broadcast_in_dim(lse, lse_mine.shape, [1])
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, kvh, split])
-    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, LSE_ROWS)], lse_ref.at[b, kvh, split])
+    partial = split * consumers + c
+    plgpu.copy_smem_to_gmem(o_mine, o_ref.at[b, kvh, partial])
+    plgpu.copy_smem_to_gmem(lse_mine.at[pl.ds(0, LSE_ROWS)], lse_ref.at[b, kvh, partial])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == 1)
+  @pl.when(wg == consumers)
   def _producer():
     if consumer_registers:
       plgpu.set_max_registers(40, action="decrease")
@@ -394,25 +426,27 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   kv_heads = cache.num_kv_heads
   group = q_heads // kv_heads
   nb = head_dim // 32
-  splits, stages = config.splits, config.stages
+  splits, stages, consumers = config.splits, config.stages, config.consumers
   max_pages = cache.max_pages
   pages_per_split = -(-(max_pages + 1) // (splits * STEP_PAGES)) * STEP_PAGES
   stores = (cache.arena, cache.group_meta) if cache.compressed else (cache.k_pages, cache.v_pages)
   version = cache.format_version or 1
   in_registers = cache.compressed and not interpret
   tile = lambda shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=_TRANSFORMS)
-  # The stage ring (BF16 tiles and / or the byte stage) is dead once the step loop ends: the epilogue's
-  # O and LSE reuse its SMEM (6 KB at D = 128).
+  # With one consumer the stage ring (BF16 tiles and / or the byte stage) is dead once its step loop
+  # ends, so the epilogue's O and LSE reuse its SMEM (6 KB at D = 128); with two, one consumer
+  # may finish while the other still reads the ring, so each gets its own.
   stream = (() if in_registers else (tile((stages, STEP_TOKENS, head_dim)),) * 2) + (
       (plgpu.SMEM((stages, 2, STEP_PAGES, 4 * nb, R.UNIT), jnp.uint8),) if cache.compressed else ())
-  epilogue = (plgpu.SMEM((head_dim, QROWS), jnp.float32), plgpu.SMEM((STEP_TOKENS, QROWS), jnp.float32))
+  epilogue = (plgpu.SMEM((consumers, head_dim, QROWS), jnp.float32),
+              plgpu.SMEM((consumers, STEP_TOKENS, QROWS), jnp.float32))
   scratch = (
       (
           tile((QROWS, head_dim)),
-          plgpu.RefUnion(stream, epilogue),
+          plgpu.RefUnion(stream, epilogue) if consumers == 1 else (stream, epilogue),
           plgpu.SMEM((stages, STEP_PAGES, P.info_words(version)), jnp.int32),
           plgpu.SMEM((P.CHUNK_PAGES, P.entry_words(version)), jnp.int32),
-          tile((QROWS, STEP_TOKENS)),
+          tile((consumers, QROWS, STEP_TOKENS)),  # each consumer's P^T
       ),
       (
           plgpu.Barrier(num_barriers=1),
@@ -433,7 +467,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       _kernel, compressed=cache.compressed, version=version, head_dim=head_dim, kv_heads=kv_heads, row_stride=row_stride,
       pages_per_split=pages_per_split, max_pages=max_pages, scale=scale, stages=stages,
       timing_probe=config.timing_probe, warp_issue=config.warp_issue,
-      consumer_registers=config.consumer_registers, interpret=interpret)
+      consumer_registers=config.consumer_registers, consumers=consumers, interpret=interpret)
 
   def entry(*refs):
     pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")
@@ -441,12 +475,12 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   o, lse = plgpu.kernel(
       entry,
       out_type=(
-          jax.ShapeDtypeStruct((batch, kv_heads, splits, head_dim, QROWS), jnp.float32),
-          jax.ShapeDtypeStruct((batch, kv_heads, splits, LSE_ROWS, QROWS), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, splits * consumers, head_dim, QROWS), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, splits * consumers, LSE_ROWS, QROWS), jnp.float32),
       ),
       grid=(kv_heads, batch, splits),
       grid_names=("h", "b", "s"),
-      num_threads=2,
+      num_threads=consumers + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=plgpu.InterpretGPUParams() if interpret else False,

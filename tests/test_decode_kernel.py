@@ -54,7 +54,7 @@ def _bf16_sizes(text):
 )
 @pytest.mark.parametrize(
     "variant", [{}, {"stages": 4}, {"timing_probe": "compute"}, {"warp_issue": False}, {"consumer_registers": 168},
-                {"consumer_registers": 232, "warp_issue": False}])
+                {"consumer_registers": 232, "warp_issue": False}, {"consumers": 2}, {"consumers": 2, "stages": 4}])
 def test_lowers_to_one_mosaic_gpu_kernel_for_an_abstract_h200(compressed, head_dim, group, splits, variant):
   kv_heads = 3 if group == 3 else 2
   k, v = _kv(2, 100, kv_heads, head_dim)
@@ -75,6 +75,18 @@ def test_version_2_cache_lowers_to_one_mosaic_gpu_kernel(head_dim, group, splits
   cfg = da.DecodeConfig(splits=splits, stages=3, warp_issue=warp_issue)
   text = _lower_text(lambda q, c: da._decode_attention(q, c, 0.125, cfg, True), q, cache)
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+
+
+def test_two_consumers_lower_to_three_warpgroups_and_twice_the_partials():
+  k, v = _kv(2, 100, 2, 128)
+  cache = zf.paged_cache_from_dense(k, v, np.array([100, 37]), compressed=True)
+  q = jnp.zeros((2, 8, 128), jnp.bfloat16)
+  for consumers, threads in ((1, 256), (2, 384)):
+    cfg = da.DecodeConfig(splits=3, stages=2, consumers=consumers)
+    text = _lower_text(lambda q, c, cfg=cfg: da._decode_attention(q, c, 0.125, cfg, True), q, cache)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    # the kernel's partial outputs: splits x consumers of them per (sequence, KV head)
+    assert re.search(rf"tensor<2x2x{3 * consumers}x128x8xf32>", text), f"no {3 * consumers}-partial O output"
 
 
 def test_compressed_pages_are_never_materialised_as_bf16():
@@ -129,6 +141,32 @@ def test_interpreted_kernel_matches_the_reference_and_both_stores_agree_bitwise(
     assert np.any(np.asarray(comp2.group_meta[..., 1]) & 0x80808080)  # version 2 did store exceptions
 
 
+@pytest.mark.parametrize("lengths,splits,stages", [([150, 37, 0], 1, 2),
+                                                   pytest.param([150, 70, 16], 2, 4, marks=pytest.mark.slow)])
+def test_two_consumers_interpreted_match_the_reference_and_both_stores_agree_bitwise(lengths, splits, stages):
+  """Consumer c takes steps c, c + 2, ...: odd step counts, a consumer with no step (37 tokens: one
+  step) and an empty sequence; each consumer's partial is merged by the split combine."""
+  batch, seq, kv_heads, group, head_dim = 3, 150, 2, 4, 64
+  k, v = _kv(batch, seq, kv_heads, head_dim, seed=seq)
+  k = k.at[:, ::29, :, 5].set(4e4)  # raw blocks next to compressed ones
+  q = jnp.asarray(np.random.default_rng(1).normal(size=(batch, kv_heads * group, head_dim)), jnp.bfloat16)
+  lengths = np.array(lengths)
+  comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
+  plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
+  ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
+  cfg = da.DecodeConfig(splits=splits, stages=stages, consumers=2)
+  outs = []
+  for cache in (comp, plain):
+    out, lse = zf.paged_decode_attention(q, cache, impl="pallas", config=cfg, return_lse=True, interpret=True)
+    chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32), atol=2e-2)
+    finite = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    chex.assert_trees_all_close(jnp.asarray(lse)[finite], ref_lse[finite], atol=1e-2)
+    outs.append(np.asarray(out).view(np.uint16))
+  np.testing.assert_array_equal(outs[0], outs[1])
+  assert np.all(outs[0][lengths == 0] == 0)
+
+
 def test_bad_impl_is_refused():
   k, v = _kv(1, 32, 1, 64)
   cache = zf.paged_cache_from_dense(k, v, np.array([20]))
@@ -173,6 +211,9 @@ def test_heuristic_fills_the_gpu_without_tiny_splits(batch, kv_heads, max_pages,
   assert cfg.splits == 1 or steps_per_split >= 4
   compressed = da.heuristic_config(batch, kv_heads, max_pages, compressed=True)
   assert (cfg.stages, compressed.stages, compressed.splits) == (2, 3, splits)  # deeper ring for smaller copies
+  two = da.heuristic_config(batch, kv_heads, max_pages, compressed=True, consumers=2)
+  assert two.consumers == 2 and two.stages % 2 == 0 and two.splits <= splits  # one CTA per SM: never more splits
+  assert two.splits == 1 or -(-max_pages // da.STEP_PAGES) / two.splits >= 4
 
 
 def test_config_validates():
@@ -184,6 +225,10 @@ def test_config_validates():
     da.DecodeConfig(consumer_registers=100)
   with pytest.raises(ValueError, match="timing_probe"):
     da.DecodeConfig(timing_probe="fast")
+  with pytest.raises(ValueError, match="consumers"):
+    da.DecodeConfig(consumers=3)
+  with pytest.raises(ValueError, match="multiple"):  # a stage shared by two consumers would skip barrier phases
+    da.DecodeConfig(consumers=2, stages=3)
 
 
 def test_reference_scale_default_matches_kernel_contract():
