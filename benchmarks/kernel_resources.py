@@ -37,6 +37,9 @@ VARIANTS = {  # name -> (cache, DecodeConfig knobs)
     "format1_consumers2_stages4": ("comp", {"stages": 4, "consumers": 2}),
     "format2_consumers2_stages4": ("comp2", {"stages": 4, "consumers": 2}),
     "bf16_consumers2_stages2": ("plain", {"stages": 2, "consumers": 2}),
+    # one consumer, V^T restored after the QK wgmma: does the peak drop to <= 128 (two CTAs per SM)?
+    "format1_v_after_qk_stages2": ("comp", {"stages": 2, "v_after_qk": True}),
+    "format1_v_after_qk_stages3": ("comp", {"stages": 3, "v_after_qk": True}),
 }
 REGISTERS = re.compile(r"Used (\d+) registers")
 SMEM = re.compile(r"(\d+) bytes smem|smem[^0-9\n]{0,24}(\d+)", re.IGNORECASE)

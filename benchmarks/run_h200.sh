@@ -12,8 +12,9 @@ mkdir -p "$out"
 # every case, then timing against the one-consumer kernel and cuDNN in the same run. Why: at 150
 # registers (ptxas, 2026-12-05) the one-consumer kernel runs one CTA per SM, so on the H200 (consumer
 # bound) it only ties cuDNN; two consumers per CTA get 168 registers each from ptxas by construction.
-# Stop on any FAIL. If it wins, make consumers=2 the heuristic's default for 12-bit pages, then e2e.
-timeout -s KILL 420 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":3},{"stages":2,"consumers":2},{"stages":4,"consumers":2},{"stages":3,"timing_probe":"compute"},{"stages":4,"consumers":2,"timing_probe":"compute"}]' --out "$out/fused_kernel_consumers_h200.json" 2>&1 | grep --line-buffered -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/consumers_check.txt
+# Also one consumer with V^T restored after the QK wgmma (v_after_qk: a lower register peak, maybe two
+# CTAs per SM again). Stop on any FAIL. Make the winner the heuristic's default for 12-bit pages, then e2e.
+timeout -s KILL 420 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":3},{"stages":2,"consumers":2},{"stages":4,"consumers":2},{"stages":2,"v_after_qk":true},{"stages":3,"timing_probe":"compute"},{"stages":4,"consumers":2,"timing_probe":"compute"}]' --out "$out/fused_kernel_consumers_h200.json" 2>&1 | grep --line-buffered -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/consumers_check.txt
 if grep -q FAIL /tmp/consumers_check.txt; then echo "kernel check failed: stopping"; exit 1; fi
 # 1b. Registers per variant (ptxas dumps; compile only), the two-consumer ones included.
 timeout -s KILL 200 python3 -m benchmarks.kernel_resources --out "$out/kernel_resources_h200.json" 2>&1 | grep --line-buffered -E "registers|Error"

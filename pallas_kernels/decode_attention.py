@@ -81,6 +81,9 @@ class DecodeConfig:
       share an SM only while ptxas needs <= 128 registers (format 1 needed 150 on 2026-12-05: one
       CTA per SM, the H200's consumer-bound figure). `stages` must be a multiple of it (each
       consumer then waits on every phase of its own stages' barriers).
+    v_after_qk: restore V^T only once S^T = K Q^T is done (K's 32 operand registers are then
+      dead) instead of while that wgmma runs: less overlap, a lower register peak (a way for one
+      consumer to fit ptxas's 128 again; unmeasured on a GPU).
     timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
       waits for and releases each stage (the producer's copy rate), "compute" = the producer
       issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
@@ -92,6 +95,7 @@ class DecodeConfig:
   warp_issue: bool = True
   consumer_registers: int = 0
   consumers: int = 1
+  v_after_qk: bool = False
 
   def __post_init__(self):
     if self.splits < 1:
@@ -146,7 +150,7 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool
 
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
             compressed, version, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages,
-            timing_probe, warp_issue, consumer_registers, consumers, interpret):
+            timing_probe, warp_issue, consumer_registers, consumers, v_after_qk, interpret):
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
@@ -214,12 +218,20 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
         operands = (byte_smem.at[stage],)
         k = _inline(R.restore_k, (_BYTES,), operands, infos, head_dim, (STEP_TOKENS, head_dim))
 
-        def qk(acc_ref):  # V^T is restored while S^T = K Q^T runs
+        restore_vt = lambda: _inline(R.restore_vt, (_BYTES,), operands, infos, head_dim, (head_dim, STEP_TOKENS))
+
+        def qk(acc_ref):  # V^T is restored while S^T = K Q^T runs, or after it (v_after_qk)
           plgpu.wgmma(acc_ref, k, q_t)
-          vt = _inline(R.restore_vt, (_BYTES,), operands, infos, head_dim, (head_dim, STEP_TOKENS))
+          if v_after_qk:
+            return acc_ref[...]  # the read waits for the wgmma
+          vt = restore_vt()
           return acc_ref[...], vt
 
-        s, v_operand = pl.run_scoped(qk, plgpu.ACC((STEP_TOKENS, QROWS), jnp.float32))
+        if v_after_qk:
+          s = pl.run_scoped(qk, plgpu.ACC((STEP_TOKENS, QROWS), jnp.float32))
+          v_operand = restore_vt()
+        else:
+          s, v_operand = pl.run_scoped(qk, plgpu.ACC((STEP_TOKENS, QROWS), jnp.float32))
         plgpu.barrier_arrive(consumed_bars.at[stage])  # the bytes are in registers: refill now
       else:
         if interpret:  # inline PTX is not interpretable: the jnp restore of the same bytes
@@ -467,7 +479,8 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       _kernel, compressed=cache.compressed, version=version, head_dim=head_dim, kv_heads=kv_heads, row_stride=row_stride,
       pages_per_split=pages_per_split, max_pages=max_pages, scale=scale, stages=stages,
       timing_probe=config.timing_probe, warp_issue=config.warp_issue,
-      consumer_registers=config.consumer_registers, consumers=consumers, interpret=interpret)
+      consumer_registers=config.consumer_registers, consumers=consumers, v_after_qk=config.v_after_qk,
+      interpret=interpret)
 
   def entry(*refs):
     pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")

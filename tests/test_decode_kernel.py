@@ -54,7 +54,8 @@ def _bf16_sizes(text):
 )
 @pytest.mark.parametrize(
     "variant", [{}, {"stages": 4}, {"timing_probe": "compute"}, {"warp_issue": False}, {"consumer_registers": 168},
-                {"consumer_registers": 232, "warp_issue": False}, {"consumers": 2}, {"consumers": 2, "stages": 4}])
+                {"consumer_registers": 232, "warp_issue": False}, {"consumers": 2}, {"consumers": 2, "stages": 4},
+                {"v_after_qk": True}])
 def test_lowers_to_one_mosaic_gpu_kernel_for_an_abstract_h200(compressed, head_dim, group, splits, variant):
   kv_heads = 3 if group == 3 else 2
   k, v = _kv(2, 100, kv_heads, head_dim)
