@@ -50,9 +50,10 @@ def case(key, batch, seq, kv_heads, group, head_dim, lengths, splits, knob_sets=
   scale = 1.0 / np.sqrt(head_dim)
   ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
   outs, failures = {}, []
-  variants = [(path + suffix, cache, knobs) for path, cache in (("compressed", comp), ("uncompressed", plain))
-              for suffix, knobs in knob_sets]
-  variants.append(("compressed_v2", comp2, {}))  # format version 2, default knobs
+  # Format version 2 under every knob set too; each output is compared bit for bit with the BF16
+  # pages' output under the same knobs (knobs such as `consumers` change the summation order).
+  paths = (("compressed", comp), ("uncompressed", plain), ("compressed_v2", comp2))
+  variants = [(path + suffix, cache, knobs) for path, cache in paths for suffix, knobs in knob_sets]
   err = 0.0
   for name, cache, knobs in variants:
     if name.split("_")[0] not in PATHS:
@@ -67,10 +68,12 @@ def case(key, batch, seq, kv_heads, group, head_dim, lengths, splits, knob_sets=
       outs[name], err = np.asarray(out), max(err, v_err)
     except Exception as e:
       failures.append(f"{name}: {repr(e)[:300]}")
-  if "uncompressed" in outs:
-    for name in outs:
-      if not np.array_equal(outs[name].view(np.uint16), outs["uncompressed"].view(np.uint16)):
-        failures.append(f"{name} != uncompressed bitwise")
+  for suffix, _ in knob_sets:
+    plain_out = outs.get("uncompressed" + suffix)
+    for path in ("compressed", "compressed_v2"):
+      name = path + suffix
+      if plain_out is not None and name in outs and not np.array_equal(outs[name].view(np.uint16), plain_out.view(np.uint16)):
+        failures.append(f"{name} != uncompressed{suffix} bitwise")
   if failures:
     raise AssertionError("; ".join(failures) + f" (passed: {sorted(outs)})")
   return err
@@ -122,10 +125,11 @@ def correctness(only=None, knob_sets=KNOB_SETS):
   return results
 
 
-def timing(shapes, splits_list, lean=False, sweep=None):
+def timing(shapes, splits_list, lean=False, sweep=None, on_row=lambda rows: None):
   """CUPTI time of both paths per shape: split counts, stages=4, and the two timing probes
   (lean: the heuristic's splits, stages 2 and 4, and the copies probe only). sweep: a list of
-  DecodeConfig knob dicts (a "splits" key, else the heuristic's) timed instead."""
+  DecodeConfig knob dicts (a "splits" key, else the heuristic's for that many consumers) timed
+  instead. `on_row(rows)` runs after every row (the caller saves them: a killed call keeps them)."""
   model = get_config("llama3.1-8b")
   rows = []
   for i, (batch, context) in enumerate(shapes):
@@ -144,7 +148,10 @@ def timing(shapes, splits_list, lean=False, sweep=None):
     variants += [(heur.splits, {"timing_probe": "copies"}), (heur.splits, {"timing_probe": "copies", "warp_issue": True})]
     variants += [] if lean else [(heur.splits, {"timing_probe": "compute"})]
     if sweep is not None:
-      variants = [(kn.get("splits", heur.splits), {k: x for k, x in kn.items() if k != "splits"}) for kn in sweep]
+      split_default = lambda kn: heuristic_config(batch, model.kv_heads, plain.max_pages,
+                                                  consumers=kn.get("consumers", 1)).splits
+      variants = [(kn.get("splits", split_default(kn)), {k: x for k, x in kn.items() if k != "splits"})
+                  for kn in sweep]
     for splits, knobs in variants:
       caches = (("zipfusion_compressed", comp, comp_bytes), ("zipfusion_uncompressed", plain, bf16_bytes),
                 ("zipfusion_compressed_v2", p["comp2"], p["comp2_bytes"]))
@@ -160,6 +167,7 @@ def timing(shapes, splits_list, lean=False, sweep=None):
                          heuristic=splits == heur.splits, time_us=t, bytes_read=int(nbytes)))
         print(f"{name:22s} B={batch} S={context} splits={splits:2d} {str(knobs):28s} {t:8.1f} us "
               f"{nbytes / t / 1e6:5.2f} TB/s", flush=True)
+        on_row(rows)
   return rows
 
 
@@ -177,16 +185,22 @@ def main(argv=None):
   global PATHS
   PATHS = tuple(a.paths.split(","))
   res = dict(device=jax.devices()[0].device_kind, date=datetime.date.today().isoformat())
+
+  def save():  # after the correctness sweep and after every timing row
+    if a.out:
+      pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+      pathlib.Path(a.out).write_text(json.dumps(res, indent=1))
+
   sweep = json.loads(a.sweep) if a.sweep else None
   if not a.skip_correctness:
     knob_sets = KNOB_SETS if sweep is None else sweep_knob_sets(sweep)
     res["correctness"] = correctness(a.only, knob_sets)
+    save()
   shapes = [(32, 2048), (8, 8192)] if a.quick else [(32, 2048), (8, 8192), (64, 4096), (1, 32768), (128, 1024)]
   if not a.skip_timing:
-    res["timing"] = timing(shapes, [1, 2, 4], lean=a.lean, sweep=sweep)
-  if a.out:
-    pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(a.out).write_text(json.dumps(res, indent=1))
+    res["timing"] = timing(shapes, [1, 2, 4], lean=a.lean, sweep=sweep,
+                           on_row=lambda rows: (res.__setitem__("timing", rows), save()))
+  save()
 
 
 if __name__ == "__main__":
