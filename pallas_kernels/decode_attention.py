@@ -220,18 +220,14 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
 
         restore_vt = lambda: _inline(R.restore_vt, (_BYTES,), operands, infos, head_dim, (head_dim, STEP_TOKENS))
 
-        def qk(acc_ref):  # V^T is restored while S^T = K Q^T runs, or after it (v_after_qk)
+        def qk(acc_ref):  # V^T is restored while S^T = K Q^T runs, unless v_after_qk
           plgpu.wgmma(acc_ref, k, q_t)
-          if v_after_qk:
-            return acc_ref[...]  # the read waits for the wgmma
-          vt = restore_vt()
-          return acc_ref[...], vt
+          vt = None if v_after_qk else restore_vt()
+          return acc_ref[...], vt  # the read waits for the wgmma
 
+        s, v_operand = pl.run_scoped(qk, plgpu.ACC((STEP_TOKENS, QROWS), jnp.float32))
         if v_after_qk:
-          s = pl.run_scoped(qk, plgpu.ACC((STEP_TOKENS, QROWS), jnp.float32))
           v_operand = restore_vt()
-        else:
-          s, v_operand = pl.run_scoped(qk, plgpu.ACC((STEP_TOKENS, QROWS), jnp.float32))
         plgpu.barrier_arrive(consumed_bars.at[stage])  # the bytes are in registers: refill now
       else:
         if interpret:  # inline PTX is not interpretable: the jnp restore of the same bytes

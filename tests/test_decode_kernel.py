@@ -113,28 +113,40 @@ INTERPRET_CASES = [
 ]
 
 
+def _interpreted_problem(batch, seq, kv_heads, group, head_dim, lengths):
+  """(q, k, v, lengths): random K/V with raw blocks next to compressed ones, and queries."""
+  k, v = _kv(batch, seq, kv_heads, head_dim, seed=seq)
+  k = k.at[:, ::29, :, 5].set(4e4)  # raw blocks next to compressed ones
+  q = jnp.asarray(np.random.default_rng(1).normal(size=(batch, kv_heads * group, head_dim)), jnp.bfloat16)
+  return q, k, v, np.array(lengths)
+
+
+def _interpreted_outputs(q, caches, plain, cfg):
+  """Each cache's interpreted kernel output (uint16 view), after checking it and its log-sum-exp
+  against the jnp reference on the BF16 pages `plain`."""
+  ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
+  finite = np.isfinite(np.asarray(ref_lse))
+  outs = []
+  for cache in caches:
+    out, lse = zf.paged_decode_attention(q, cache, impl="pallas", config=cfg, return_lse=True, interpret=True)
+    chex.assert_shape(out, q.shape)
+    chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32), atol=2e-2)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    chex.assert_trees_all_close(jnp.asarray(lse)[finite], ref_lse[finite], atol=1e-2)
+    outs.append(np.asarray(out).view(np.uint16))
+  return outs
+
+
 @pytest.mark.parametrize("batch,seq,kv_heads,group,head_dim,lengths,splits,stages,warp_issue", INTERPRET_CASES)
 def test_interpreted_kernel_matches_the_reference_and_both_stores_agree_bitwise(
     batch, seq, kv_heads, group, head_dim, lengths, splits, stages, warp_issue):
   """The kernel body on CPU (Mosaic GPU interpret mode; jnp restore and P through SMEM)."""
-  k, v = _kv(batch, seq, kv_heads, head_dim, seed=seq)
-  k = k.at[:, ::29, :, 5].set(4e4)  # raw blocks next to compressed ones
-  q = jnp.asarray(np.random.default_rng(1).normal(size=(batch, kv_heads * group, head_dim)), jnp.bfloat16)
-  lengths = np.array(lengths)
+  q, k, v, lengths = _interpreted_problem(batch, seq, kv_heads, group, head_dim, lengths)
   comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
   comp2 = zf.paged_cache_from_dense(k, v, lengths, compressed=True, version=2)  # the raw blocks' outliers as exceptions
   plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
-  ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
   cfg = da.DecodeConfig(splits=splits, stages=stages, warp_issue=warp_issue)
-  outs = []
-  for cache in (comp, plain, comp2):
-    out, lse = zf.paged_decode_attention(q, cache, impl="pallas", config=cfg, return_lse=True, interpret=True)
-    chex.assert_shape(out, q.shape)
-    chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32), atol=2e-2)
-    finite = np.isfinite(np.asarray(ref_lse))
-    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
-    chex.assert_trees_all_close(jnp.asarray(lse)[finite], ref_lse[finite], atol=1e-2)
-    outs.append(np.asarray(out).view(np.uint16))
+  outs = _interpreted_outputs(q, (comp, plain, comp2), plain, cfg)
   np.testing.assert_array_equal(outs[0], outs[1])
   np.testing.assert_array_equal(outs[2], outs[1])
   assert np.all(outs[0][lengths == 0] == 0)  # an empty sequence attends to nothing: zeros
@@ -147,23 +159,10 @@ def test_interpreted_kernel_matches_the_reference_and_both_stores_agree_bitwise(
 def test_two_consumers_interpreted_match_the_reference_and_both_stores_agree_bitwise(lengths, splits, stages):
   """Consumer c takes steps c, c + 2, ...: odd step counts, a consumer with no step (37 tokens: one
   step) and an empty sequence; each consumer's partial is merged by the split combine."""
-  batch, seq, kv_heads, group, head_dim = 3, 150, 2, 4, 64
-  k, v = _kv(batch, seq, kv_heads, head_dim, seed=seq)
-  k = k.at[:, ::29, :, 5].set(4e4)  # raw blocks next to compressed ones
-  q = jnp.asarray(np.random.default_rng(1).normal(size=(batch, kv_heads * group, head_dim)), jnp.bfloat16)
-  lengths = np.array(lengths)
+  q, k, v, lengths = _interpreted_problem(3, 150, 2, 4, 64, lengths)
   comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
   plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
-  ref, ref_lse = zf.paged_decode_attention(q, plain, impl="reference", return_lse=True)
-  cfg = da.DecodeConfig(splits=splits, stages=stages, consumers=2)
-  outs = []
-  for cache in (comp, plain):
-    out, lse = zf.paged_decode_attention(q, cache, impl="pallas", config=cfg, return_lse=True, interpret=True)
-    chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32), atol=2e-2)
-    finite = np.isfinite(np.asarray(ref_lse))
-    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
-    chex.assert_trees_all_close(jnp.asarray(lse)[finite], ref_lse[finite], atol=1e-2)
-    outs.append(np.asarray(out).view(np.uint16))
+  outs = _interpreted_outputs(q, (comp, plain), plain, da.DecodeConfig(splits=splits, stages=stages, consumers=2))
   np.testing.assert_array_equal(outs[0], outs[1])
   assert np.all(outs[0][lengths == 0] == 0)
 
