@@ -10,9 +10,11 @@ kernel's output checked against the jnp reference, then CUPTI kernel time
 {"kernel", "model", "batch", "context", "time_us", "bytes_read"}.
 
 On a GPU the ZipFusion rows are the fused kernel on the compressed and on the
-BF16 paged cache (`zipfusion_compressed`, `zipfusion_uncompressed`) and
-decompress-then-attend (XLA restore of every page, then the fused kernel on
-BF16 pages); the jnp reference paths are timed too. Uncompressed peers: cuDNN
+BF16 paged cache (`zipfusion_compressed`, `zipfusion_uncompressed`),
+decompress-then-attend (the Pallas page-decompression kernel restores every
+page, then the fused kernel runs on the BF16 pages; `_xla_restore`: the jnp
+restore instead) and the restore alone (`restore_pages_pallas`, checked bit-exact
+against the BF16 pages); the jnp reference paths are timed too. Uncompressed peers: cuDNN
 (dense), JAX's Pallas Triton paged kernel and XLA.
 """
 
@@ -111,12 +113,20 @@ def run_shape(key, cfg, batch, context):
     fns["zipfusion_compressed"] = (fused, (q, comp), comp_bytes)
     fns["zipfusion_compressed_v2"] = (fused, (q, p["comp2"]), p["comp2_bytes"])  # format version 2
     fns["zipfusion_uncompressed"] = (fused, (q, plain), bf16_bytes)
-    fns["decompress_then_attend"] = (jax.jit(lambda q, c: zf.decompress_then_attend(q, c, impl="pallas")), (q, comp),
-                                     comp_bytes + 2 * bf16_bytes)
+    dta = lambda restore: jax.jit(lambda q, c: zf.decompress_then_attend(q, c, impl="pallas", restore_impl=restore))
+    fns["decompress_then_attend"] = (dta("pallas"), (q, comp), comp_bytes + 2 * bf16_bytes)
+    fns["decompress_then_attend_xla_restore"] = (dta("reference"), (q, comp), comp_bytes + 2 * bf16_bytes)
+    # The restore alone (bytes: compressed read + BF16 written); its output is pages, not attention.
+    fns["restore_pages_pallas"] = (jax.jit(lambda c: zf.restore_pages(c, "pallas")), (comp,), comp_bytes + bf16_bytes)
   fns.update({name: (f, args, bf16_bytes) for name, (f, args) in baselines(q, k, v, plain, scale).items()})
   rows, outs = [], {}
   for name, (f, args, nbytes) in fns.items():
     out = outs[name] = f(*args)
+    if name == "restore_pages_pallas":  # pages, not attention: bit-exact against the BF16 cache's
+      same_pages = all(np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+                       for a, b in zip(out, (plain.k_pages, plain.v_pages)))
+      assert same_pages, "restore_pages_pallas: pages differ from the uncompressed cache's"
+      out = ref
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
     # Reference paths must be exact; bf16 peers round P and partial sums (outputs are O(1)).
     tol = 0.0 if name.startswith(("zipfusion_reference", "decompress_then_attend_jnp")) else 0.125

@@ -224,13 +224,26 @@ def compress_reference(x, version: int = B.FORMAT_VERSION) -> CompressedBlocks:
   return CompressedBlocks(payload, group_meta, total_units, batch_shape)
 
 
+def slot_reads(group_meta: jax.Array, units: jax.Array, payload_units: int) -> jax.Array:
+  """bool [G, 4]: which slots the decoders read from the payload (the rest read zero bytes).
+
+  A slot is read when its group's version is known (1, or 2 in [G, 4] metadata) and its read
+  (3 units for a 12-bit slot, 4 for any other) lies wholly inside the payload's `payload_units`;
+  `units` are the slots' unit offsets (`block_unit_offsets`).
+  """
+  version = group_meta[:, 0] >> B.VERSION_SHIFT
+  known = (version == 1) | ((version == 2) & (group_meta.shape[1] == 4))
+  read = jnp.where(B.is_compressed(unpack_meta_bytes(group_meta[:, 1])), B.COMPRESSED_UNITS, B.RAW_UNITS)
+  return known[:, None] & (units + read <= payload_units)  # offsets < 2^30: no int32 wrap
+
+
 def decompress_reference(c: CompressedBlocks) -> jax.Array:
   """Reference decoder: CompressedBlocks -> bfloat16 [*batch_shape, 512], bit-exact.
 
   Reads are bounded by the payload, so even corrupted metadata cannot read
   out of bounds: a block whose group has an unknown version (or version 2 in
-  [G, 2] metadata) or whose offset lies past the payload decodes from zero
-  bytes. `validate` reports both.
+  [G, 2] metadata) or whose read does not lie wholly inside the payload
+  decodes from zero bytes (`slot_reads`). `validate` reports both.
   """
   n = c.num_blocks
   # Gather whole 256-byte units (int32 unit indices stay valid for stores past 2 GiB, where
@@ -239,11 +252,9 @@ def decompress_reference(c: CompressedBlocks) -> jax.Array:
   if payload.shape[0] % B.UNIT_BYTES:
     payload = jnp.pad(payload, (0, B.UNIT_BYTES - payload.shape[0] % B.UNIT_BYTES))
   payload = payload.reshape(-1, B.UNIT_BYTES)
-  payload_units = c.payload.shape[0] // B.UNIT_BYTES
   units = block_unit_offsets(c.group_meta)
   version = c.group_meta[:, 0] >> B.VERSION_SHIFT
-  known = (version == 1) | ((version == 2) & (c.group_meta.shape[1] == 4))
-  inside = known[:, None] & (units < payload_units)
+  inside = slot_reads(c.group_meta, units, payload.shape[0])
   starts = jnp.where(inside, units, payload.shape[0]).reshape(-1)[:n]
   index = starts[:, None] + jnp.arange(B.RAW_UNITS, dtype=jnp.int32)[None, :]
   rows = jnp.take(payload, index, axis=0, mode="fill", fill_value=0).reshape(n, B.ROW_BYTES)

@@ -65,13 +65,15 @@ def paged_decode_attention(
   return decode_attention_pallas(q, cache, scale, config=config, return_lse=return_lse, interpret=interpret)
 
 
-def decompress_then_attend(q, cache: PagedKVCache, sm_scale: float | None = None, *, impl: AttentionImpl | None = None, **kwargs):
+def decompress_then_attend(q, cache: PagedKVCache, sm_scale: float | None = None, *, impl: AttentionImpl | None = None,
+                           restore_impl: str | None = None, **kwargs):
   """The lossless baseline of the paper's competitors: restore all pages to BF16, then attend.
 
   Writes a BF16 copy of every completed page (the buffer the fused kernel never
-  materialises), then runs the uncompressed paged kernel on it.
+  materialises) with `restore_pages(cache, restore_impl)` (None: the Pallas page-decompression
+  kernel on a GPU, else the jnp restore), then runs the uncompressed paged kernel (`impl`) on it.
   """
-  if cache.compressed:  # the restore is XLA-compiled jnp (no Pallas page-decompression kernel yet)
-    k_pages, v_pages = restore_pages(cache, impl="reference")
+  if cache.compressed:
+    k_pages, v_pages = restore_pages(cache, restore_impl)
     cache = cache.replace(arena=None, group_meta=None, k_pages=k_pages, v_pages=v_pages, compressed=False)
   return paged_decode_attention(q, cache, sm_scale, impl=impl, **kwargs)

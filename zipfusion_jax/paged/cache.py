@@ -239,19 +239,27 @@ def compress_pages(pages: jax.Array, version: int = 1) -> tuple[jax.Array, jax.A
   return payload[: units * B.UNIT_BYTES].reshape(units, B.UNIT_BYTES), group_meta
 
 
-def restore_pages(cache: PagedKVCache, impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+def restore_pages(cache: PagedKVCache, impl: str | None = None, *, interpret: bool | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
   """Completed pages as BF16, bit-exact: (k_pages, v_pages) bfloat16 [Hkv, P, 16, D].
 
-  For a compressed cache this decodes every group with jnp ("reference"; a
-  Pallas decompression kernel, "pallas", is not implemented yet); an
+  For a compressed cache this decodes every group: `impl` "reference" (jnp, XLA-compiled) or
+  "pallas" (the page-decompression kernel, `pallas_kernels.decompress`; interpreted off a GPU
+  unless `interpret` says otherwise); None picks "pallas" on a GPU, else "reference". An
   uncompressed cache returns its pages.
   """
+  if impl is None:
+    impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+  if impl not in ("reference", "pallas"):
+    raise ValueError(f"{impl=} must be 'reference' or 'pallas'")
   if not cache.compressed:
     return cache.k_pages, cache.v_pages
   if impl == "pallas":
-    raise NotImplementedError("a Pallas page-decompression kernel is not implemented yet; use impl='reference'")
-  if impl != "reference":
-    raise ValueError(f"{impl=} must be 'reference' or 'pallas'")
+    from pallas_kernels.decompress import restore_pages_pallas  # kernels sit above the format
+
+    return restore_pages_pallas(cache.arena, cache.group_meta, head_dim=cache.head_dim, interpret=interpret)
+  if interpret is not None:
+    raise TypeError("impl='reference' takes no interpret")
   return _restore_pages(cache.arena, cache.group_meta, cache.head_dim)
 
 

@@ -90,6 +90,6 @@ def attend_dense(q, k, v, mask, sm_scale: float, return_lse: bool = False):
 @functools.partial(jax.jit, static_argnames=("sm_scale", "return_lse"))
 def paged_decode_attention_reference(q, cache: PagedKVCache, sm_scale: float, return_lse: bool = False):
   """Reference decode attention over a paged cache (either store)."""
-  k_pages, v_pages = restore_pages(cache)
+  k_pages, v_pages = restore_pages(cache, impl="reference")
   k, v, mask = gather_sequences(cache, k_pages, v_pages)
   return attend_dense(q, k, v, mask, sm_scale, return_lse)

@@ -42,7 +42,7 @@ def _dense_kv(backend: PagedBackend, state: ServingState):
   ks, vs = [], []
   for layer in range(backend.cfg.num_layers):
     view = backend.layer_view(state, layer, state.lengths, state.page_table)
-    k, v, _ = reference.gather_sequences(view, *restore_pages(view))
+    k, v, _ = reference.gather_sequences(view, *restore_pages(view, impl="reference"))
     ks.append(k), vs.append(v)
   bits = lambda x: jax.lax.bitcast_convert_type(jnp.stack(x), jnp.uint16)
   return bits(ks), bits(vs)
