@@ -2,7 +2,7 @@
 
   python -m benchmarks.e2e [--models llama3.1-8b,qwen3-8b] [--contexts 2048,8192,32768]
       [--budget-gib 48] [--steps 256] [--warmup 8] [--max-slots 512] [--decomposition [--decomposition-shape 32x2048]]
-      [--kv-stats random|real] [--out benchmarks/results/e2e_h200.json]
+      [--kv-stats random|real] [--decode-knobs '{"consumers": 2, "stages": 4}'] [--out benchmarks/results/e2e_h200.json]
 
 Three systems, all this project's serving engine with random BF16 weights at the model's shapes:
 `zipfusion` (12-bit store, fused kernel), `uncompressed` (BF16 store, the same kernel on BF16
@@ -25,7 +25,9 @@ eligible); `real` first plants outlier channels in the K / V projections
 (`benchmarks/kv_outliers.py`) so the KV is at the embedded model's measured real-KV eligibility.
 
 Rows: {"model", "system", "context", "batch", "is_max_batch", "kv_budget_gib", "decode_tokens_per_s",
-"step_ms", "attention_ms", "decompress_ms", "eligible_fraction", "kv_statistics"}.
+"step_ms", "attention_ms", "decompress_ms", "eligible_fraction", "kv_statistics", "decode_knobs"}.
+`--decode-knobs` sets fused-kernel knobs over its heuristic config (`PagedBackend.decode_knobs`) for
+every system, decompress-then-attend's BF16 kernel included.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import os
 import pathlib
 import statistics
@@ -69,7 +72,7 @@ DEFAULT_SYSTEMS = "zipfusion,uncompressed,decompress_then_attend"
 
 
 def backend_for(config, system: str, slots: int, max_tokens: int, budget_bytes: int | None,
-                chunk_pages: int | None = None) -> PagedBackend:
+                chunk_pages: int | None = None, decode_knobs: tuple = ()) -> PagedBackend:
   """The system's backend; with a budget, the store fills it (less the decompression buffer).
 
   `chunk_pages` None: `generate.chunk_pages_for` the budget's raw pages per layer (or, without a
@@ -93,7 +96,7 @@ def backend_for(config, system: str, slots: int, max_tokens: int, budget_bytes: 
       mid = (lo + hi + 1) // 2
       lo, hi = (mid, hi) if total(mid) <= budget_bytes else (lo, mid - 1)
     cfg = ServingConfig(num_chunks=lo, **shape)
-  return PagedBackend(cfg, encoder=encoder, attention=attention)
+  return PagedBackend(cfg, encoder=encoder, attention=attention, decode_knobs=decode_knobs)
 
 
 def layer_parts(engine: Engine) -> tuple[float, float]:
@@ -108,16 +111,17 @@ def layer_parts(engine: Engine) -> tuple[float, float]:
     restored = restore(views)
     views = [v.replace(arena=None, group_meta=None, k_pages=k, v_pages=vp, compressed=False)
              for v, (k, vp) in zip(views, restored)]
-  attend = jax.jit(lambda q, vs: [paged_decode_attention(q, v, impl=backend.attention_impl) for v in vs])
+  kwargs = backend.attention_kwargs()
+  attend = jax.jit(lambda q, vs: [paged_decode_attention(q, v, impl=backend.attention_impl, **kwargs) for v in vs])
   attention_us, _ = cupti_us(attend, q, views)
   return attention_us / 1e3, (decompress_us / 1e3 if decompress else 0.0)
 
 
 def admitted_engine(config, params, system: str, context: int, slots: int, new_tokens: int,
-                    budget: int | None) -> Engine:
+                    budget: int | None, decode_knobs: tuple = ()) -> Engine:
   """The system's engine (compiled) after offering `slots` requests of `context` random tokens
   (`new_tokens` each) and one step: admitted until capacity (or the slots) refused, decoded once."""
-  backend = backend_for(config, system, slots, context + new_tokens, budget)
+  backend = backend_for(config, system, slots, context + new_tokens, budget, decode_knobs=decode_knobs)
   engine = Engine(ModelDecoder(config), backend, params, max_prefills_per_step=slots)
   warm = engine.submit([1] * (PAGE_SIZE + 1), 2)  # compiles prefill and decode
   engine.run()
@@ -130,10 +134,10 @@ def admitted_engine(config, params, system: str, context: int, slots: int, new_t
 
 
 def run_system(config, params, system: str, context: int, steps: int, warmup: int, slots: int,
-               budget_gib: float | None) -> dict:
+               budget_gib: float | None, decode_knobs: tuple = ()) -> dict:
   new_tokens = warmup + steps + 2  # the prefill's token and the admitting step's decode come first
   budget = None if budget_gib is None else int(budget_gib * 2**30)
-  engine = admitted_engine(config, params, system, context, slots, new_tokens, budget)
+  engine = admitted_engine(config, params, system, context, slots, new_tokens, budget, decode_knobs)
   batch = len(engine.scheduler.running)
   for _ in range(warmup):
     engine.step()
@@ -157,7 +161,7 @@ def run_system(config, params, system: str, context: int, steps: int, warmup: in
       eligible_fraction=eligible_block_fraction(engine.cfg, engine.allocator) if compressed else None,
       kv_store_bytes=engine.cfg.store_bytes + engine.cfg.metadata_bytes,
       decompress_buffer_bytes=engine.backend.decompress_buffer_bytes, weights="random",
-      compiles_in_timing=compiles_in_timing)
+      compiles_in_timing=compiles_in_timing, decode_knobs=dict(decode_knobs))
   # The engine and its jitted steps form a reference cycle: collect it now, or the next system's
   # store is allocated while this one's (the whole budget) is still alive.
   del engine
@@ -186,8 +190,11 @@ def main(argv=None):
   p.add_argument("--kv-stats", choices=("random", "real"), default="random",
                  help="real: plant outlier channels so the model's KV is at the embedded model's measured "
                       "eligibility (K 0.877, V 0.928; benchmarks/kv_outliers.py)")
+  p.add_argument("--decode-knobs", type=json.loads, default={},
+                 help='fused-kernel knobs over its heuristic config, JSON, e.g. \'{"consumers": 2, "stages": 4}\'')
   p.add_argument("--out", type=pathlib.Path, default=None)
   a = p.parse_args(argv)
+  knobs = tuple(sorted(a.decode_knobs.items()))
   rows = []
   for name in a.models.split(","):
     config = get_config(name)
@@ -205,7 +212,7 @@ def main(argv=None):
       settings.append((context, batch, None))
     for context, slots, budget in settings:
       for system in a.systems.split(","):
-        row = run_system(config, params, system, context, a.steps, a.warmup, slots, budget)
+        row = run_system(config, params, system, context, a.steps, a.warmup, slots, budget, knobs)
         row["kv_statistics"] = a.kv_stats
         if planted is not None:
           row["planted_prompt_eligible"] = planted.after

@@ -364,3 +364,21 @@ def test_a_step_encodes_and_places_only_its_completion_width(compressed):
 def test_serving_config_refuses_an_unknown_format_version():
   with pytest.raises(ValueError, match=r"format version=3 is not one of \(1, 2\)"):
     ServingConfig(num_layers=1, num_kv_heads=1, head_dim=64, num_slots=1, max_pages=1, num_chunks=1, format_version=3)
+
+
+def test_decode_knobs_override_the_heuristic_config_for_the_geometry():
+  """`PagedBackend.decode_knobs` reach the fused kernel's config; splits still come from the heuristic
+  (for that many consumers); bad knobs fail when the backend is made, not in a jitted step."""
+  from pallas_kernels.decode_attention import DecodeConfig, heuristic_config
+
+  cfg = ServingConfig(num_layers=2, num_kv_heads=2, head_dim=64, num_slots=2, max_pages=64, num_chunks=8, chunk_pages=2)
+  assert PagedBackend(cfg).attention_kwargs() == {}
+  config = PagedBackend(cfg, decode_knobs=(("consumers", 2), ("stages", 4))).attention_kwargs()["config"]
+  want = heuristic_config(2, 2, 64, True, consumers=2)
+  assert config == DecodeConfig(splits=want.splits, stages=4, consumers=2) and config.splits > 1
+  bf16 = PagedBackend(cfg, attention="decompress_then_attend", decode_knobs=(("v_after_qk", True),))
+  assert bf16.attention_kwargs()["config"].stages == heuristic_config(2, 2, 64, False).stages  # BF16 pages' depth
+  with pytest.raises(TypeError, match="wrap"):
+    PagedBackend(cfg, decode_knobs=(("wrap", 1),))
+  with pytest.raises(ValueError, match="multiple"):
+    PagedBackend(cfg, decode_knobs=(("consumers", 2), ("stages", 3)))

@@ -73,6 +73,9 @@ class PagedBackend:
       lossless baseline: each layer's pages restored to a BF16 buffer, then the BF16 kernel).
     reduce_axis: mesh axis of tensor parallelism when the backend runs inside `shard_map`
       (page placement then agrees across devices), else None.
+    decode_knobs: fused-kernel knobs over its heuristic config for this geometry, as sorted
+      (name, value) pairs of `DecodeConfig` fields, e.g. (("consumers", 2), ("stages", 4)); ()
+      keeps the heuristic's config. For A/B runs of the kernel inside the engine.
   """
 
   cfg: ServingConfig
@@ -80,10 +83,25 @@ class PagedBackend:
   attention_impl: str | None = None
   attention: Attention = "fused"
   reduce_axis: str | None = None
+  decode_knobs: tuple[tuple[str, object], ...] = ()
 
   def __post_init__(self):
     if self.attention not in ("fused", "decompress_then_attend"):
       raise ValueError(f"attention={self.attention!r} must be 'fused' or 'decompress_then_attend'")
+    if self.decode_knobs:
+      self.attention_kwargs()  # unknown knobs or values fail here, not inside a jitted step
+
+  def attention_kwargs(self) -> dict:
+    """Keyword arguments of the attention call: {"config": ...} when `decode_knobs` are set."""
+    if not self.decode_knobs:
+      return {}
+    from pallas_kernels.decode_attention import heuristic_config  # kernels sit above the serving state
+
+    knobs, c = dict(self.decode_knobs), self.cfg
+    pages_compressed = c.compressed and self.attention == "fused"  # decompress-then-attend reads BF16 pages
+    base = heuristic_config(c.num_slots, c.num_kv_heads, c.max_pages, pages_compressed,
+                            consumers=knobs.get("consumers", 1))
+    return {"config": dataclasses.replace(base, **knobs)}
 
   @property
   def decompress_buffer_bytes(self) -> int:
@@ -131,7 +149,7 @@ class PagedBackend:
     lengths = jnp.where(plan.active, plan.positions + 1, 0)
     view = self.layer_view(state, layer, lengths, self.next_page_table(state, plan))
     attend = paged_decode_attention if self.attention == "fused" else decompress_then_attend
-    return attend(q, view, impl=self.attention_impl), state
+    return attend(q, view, impl=self.attention_impl, **self.attention_kwargs()), state
 
   def append_layer(self, state: ServingState, layer: int, plan: Plan, k, v) -> ServingState:
     """The write half of `decode_layer`: tails, and the pages this completes encoded and placed."""
