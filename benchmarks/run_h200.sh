@@ -16,6 +16,10 @@ mkdir -p "$out"
 # CTAs per SM again). Stop on any FAIL. Make the winner the heuristic's default for 12-bit pages, then e2e.
 timeout -s KILL 420 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":3},{"stages":2,"consumers":2},{"stages":4,"consumers":2},{"stages":2,"v_after_qk":true},{"stages":3,"timing_probe":"compute"},{"stages":4,"consumers":2,"timing_probe":"compute"}]' --out "$out/fused_kernel_consumers_h200.json" 2>&1 | grep --line-buffered -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/consumers_check.txt
 if grep -q FAIL /tmp/consumers_check.txt; then echo "kernel check failed: stopping"; exit 1; fi
+# 1a. The engine with the winning knobs, no code change (PagedBackend.decode_knobs), against BF16 pages.
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 300 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --systems zipfusion --steps 128 --decode-knobs '{"consumers":2,"stages":4}' --out "$out/e2e_consumers2_h200.json" 2>&1 | grep --line-buffered "tok/s"
+# 1c. The page-decompression kernel (decompress-then-attend's restore): bit-exact pages + timing.
+timeout -s KILL 150 python3 -m benchmarks.attention --shapes 32x2048 --out "$out/attention_dta_h200.json" 2>&1 | grep -vE "^\s*$|Warning"
 # 1b. Registers per variant (ptxas dumps; compile only), the two-consumer ones included.
 timeout -s KILL 200 python3 -m benchmarks.kernel_resources --out "$out/kernel_resources_h200.json" 2>&1 | grep --line-buffered -E "registers|Error"
 # 2. The single-pass compressor with the strided tail zeroing (was 174 us of its 987 us), against two-pass.

@@ -68,13 +68,16 @@ def test_pallas_restore_is_bit_exact(head_dim, version):
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
+@pytest.mark.slow  # interpreted; the default tier runs the 2-group programs above
 @pytest.mark.parametrize("config", [DecompressConfig(groups_per_program=1), DecompressConfig(groups_per_program=8)])
 def test_every_program_size_covers_every_group(config):
   k, v = _kv(128, seq=50, kv_heads=3, seed=1)  # 3 heads x 6 pages x 2 kinds = 36 groups, not a multiple of 8
   _check_same(zf.paged_cache_from_dense(k, v, jnp.array([50, 17], jnp.int32)), config=config)
 
 
-@pytest.mark.parametrize("word, value", [(0, (3 << 30) | 1), (0, 0), (0, (1 << 30) | (2**30 - 1))])
+@pytest.mark.parametrize("word, value", [(0, (3 << 30) | 1),
+                                         pytest.param(0, 0, marks=pytest.mark.slow),
+                                         pytest.param(0, (1 << 30) | (2**30 - 1), marks=pytest.mark.slow)])
 def test_corrupted_groups_read_zero_bytes_like_the_reference(word, value):
   """Unknown versions (3, 0) and a slot past the payload: both decoders read zero bytes there."""
   k, v = _kv(128, seq=40, seed=2)
