@@ -80,7 +80,10 @@ def main(argv=None):
 
   from benchmarks.attention import problem
   from models.configs import get_config
+  from pallas_kernels import decode_attention as decode_module
   from pallas_kernels.decode_attention import DecodeConfig, decode_attention_pallas
+
+  decode_module.TWO_CONSUMERS_ON_GPU = True  # registers of the (racy) two-consumer variant too
 
   prob = problem(jax.random.key(0), get_config("llama3.1-8b"), args.batch, args.context)
   rows = []

@@ -52,6 +52,9 @@ LSE_ROWS = 16  # rows of the (row-broadcast) log-sum-exp tile copied out: 512 B,
 LOG2E = 1.4426950408889634
 CTAS_PER_SM = 2  # the split heuristic's target: two CTAs fit while ptxas needs <= 128 registers (BF16 pages)
 NUM_SMS = 132
+# DecodeConfig(consumers=2) is refused on a GPU (wrong outputs, a race; H100, 2026-12-06) unless a
+# diagnosis script sets this (benchmarks.fused_kernel_check and kernel_resources do, to study it).
+TWO_CONSUMERS_ON_GPU = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +77,9 @@ class DecodeConfig:
       `setmaxnreg` at all (ptxas sizes one register count for both warpgroups), which is what
       gets 2 CTAs/SM; 232, 208 and 168 all measured at one (H200, 2026-12-04: 32 x 2048
       compressed 78.7 us at 208 with warp_issue, 56.8 us at 0).
-    consumers: consumer warpgroups per CTA (1 or 2), sharing one producer and one ring: consumer
+    consumers: consumer warpgroups per CTA (1 or 2). 2 is refused on a GPU for now: its outputs
+      were wrong there in 9 of 14 cases (H100, 2026-12-06; a race, the failing variant changing
+      from case to case) while interpret mode agrees with the reference. Design: sharing one producer and one ring: consumer
       c takes steps c, c + consumers, ... with its own softmax state and writes its own partial
       (a virtual split, merged by the split combine). With 2, a CTA has 384 threads, so ptxas
       caps every thread at 168 registers and two consumers always share an SM; with 1, two CTAs
@@ -83,7 +88,7 @@ class DecodeConfig:
       consumer then waits on every phase of its own stages' barriers).
     v_after_qk: restore V^T only once S^T = K Q^T is done (K's 32 operand registers are then
       dead) instead of while that wgmma runs: less overlap, a lower register peak (a way for one
-      consumer to fit ptxas's 128 again; unmeasured on a GPU).
+      consumer to fit ptxas's 128 again; correct on the H100 in all 14 cases, 2026-12-06; not yet timed).
     timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
       waits for and releases each stage (the producer's copy rate), "compute" = the producer
       issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
@@ -133,7 +138,7 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool
   unchanged, 94.9 / 97.6 us at both depths). At 150 registers (2026-12-05) format 1 no longer
   fits two CTAs per SM; `CTAS_PER_SM` is what the BF16 path still gets.
 
-  With `consumers=2` (not yet the default: unmeasured on a GPU) a CTA holds two consumers and
+  With `consumers=2` (refused on a GPU until its race is fixed) a CTA holds two consumers and
   an SM one CTA, so the grid targets one CTA per SM, and the ring is 4 deep for 12-bit pages
   (each consumer owns 2 stages; ~140 KB of SMEM at D = 128), 2 for BF16 pages.
   """
@@ -532,6 +537,10 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
     config = heuristic_config(cache.batch, cache.num_kv_heads, cache.max_pages, cache.compressed)
   if _platform.resolve_interpret(interpret):
     return _decode_attention(q, cache, float(scale), config, bool(return_lse), interpret=True)
+  if config.consumers > 1 and jax.default_backend() == "gpu" and not TWO_CONSUMERS_ON_GPU:
+    raise NotImplementedError(
+        "DecodeConfig(consumers=2) gives wrong outputs on the GPU (a race: H100, 2026-12-06, "
+        "benchmarks/results/fused_kernel_consumers_h100_stdout.txt); it runs interpreted and lowers only")
   return _decode_attention_jit(q, cache, float(scale), config, bool(return_lse))
 
 

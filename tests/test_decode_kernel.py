@@ -240,3 +240,12 @@ def test_the_restore_recognises_version_2_by_the_record_the_producer_writes():
   from pallas_kernels import restore_mgpu as R
 
   assert P.info_words(2) == R.INFO_WORDS_V2 != P.info_words(1)
+
+
+def test_two_consumers_are_refused_on_a_gpu_until_their_race_is_fixed(monkeypatch):
+  """H100, 2026-12-06: consumers=2 gave wrong outputs in 9 of 14 cases; a GPU call must not return them."""
+  q, k, v, lengths = _interpreted_problem(2, 40, 1, 2, 64, [40, 17])
+  cache = zf.paged_cache_from_dense(k, v, lengths)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  with pytest.raises(NotImplementedError, match="race"):
+    da.decode_attention_pallas(q, cache, 0.125, config=da.DecodeConfig(stages=2, consumers=2), interpret=False)
