@@ -8,7 +8,10 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
-# 1. Two consumer warpgroups (DecodeConfig(consumers=2), new, never run on a GPU): correctness on
+# 0. (2026-12-06, H100) consumers=2 FAILS on the GPU (a race; benchmarks/RESULTS.md) and is refused by
+# decode_attention_pallas; fused_kernel_check opts in to study it. Fix the race before its timing
+# means anything; v_after_qk passed every case: time it against stages 3 (below, first sweep).
+# 1. Two consumer warpgroups (DecodeConfig(consumers=2)): correctness on
 # every case, then timing against the one-consumer kernel and cuDNN in the same run. Why: at 150
 # registers (ptxas, 2026-12-05) the one-consumer kernel runs one CTA per SM, so on the H200 (consumer
 # bound) it only ties cuDNN; two consumers per CTA get 168 registers each from ptxas by construction.
