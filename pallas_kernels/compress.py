@@ -106,8 +106,9 @@ def _plan_kernel_v2(bits_ref, meta_ref, exception_ref):
   meta_ref[...], exception_ref[...] = B.block_rule_v2(bits_ref[...])  # the reference rule, in-kernel
 
 
-def _block_units(mb):
-  # Integer arithmetic: Triton's lowering of nested scalar selects mixes i1 and i32.
+def block_units_int(mb):
+  """`block.block_units` for Triton kernels (the decompression kernel uses it too): integer
+  arithmetic, because Triton's lowering of nested scalar selects mixes i1 and i32."""
   is_compressed = (mb <= B.MAX_EXCEPTION_META).astype(jnp.int32)  # b/2, or version 2's 0x80 | b/2
   is_raw = (mb == B.META_RAW).astype(jnp.int32)
   return is_compressed * B.COMPRESSED_UNITS + is_raw * B.RAW_UNITS
@@ -185,7 +186,7 @@ def _pack_kernel(*refs, version: int):
     exception = None if exception_ref is None else exception_ref[g * B.BLOCKS_PER_GROUP + k]
     x, y = _load_block(bits_ref, k * LOW_ROWS)
     _store_block(payload_ref, unit, mb, x, y, exception)
-    unit = unit + _block_units(mb)
+    unit = unit + block_units_int(mb)
 
 
 FLAG_AGGREGATE, FLAG_INCLUSIVE = 1, 2  # look-back states; value << 2 | flag, 0 = not yet
@@ -208,7 +209,7 @@ LOOK_BACK = look_back_window(4)  # the window at the default 4 warps
 
 def _tile_sizes(meta):
   """meta int32 [n] (a tile's block bytes) -> (units [n], exclusive in-tile offsets [n])."""
-  units = _block_units(meta)
+  units = block_units_int(meta)
   n = meta.shape[0]
   before = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1) < jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
   return units, jnp.sum(jnp.where(before, units[None, :], 0), axis=1)
@@ -479,7 +480,7 @@ def single_pass_diagnostics(x, config: CompressConfig, *, interpret: bool | None
   _, meta, offsets, total, info = run(bits)
   state = jax.device_get(info["state"])
   flags = state & 3
-  units = jax.device_get(_block_units(meta)).reshape(-1, B.BLOCKS_PER_GROUP * config.tile_groups).sum(axis=1)
+  units = jax.device_get(block_units_int(meta)).reshape(-1, B.BLOCKS_PER_GROUP * config.tile_groups).sum(axis=1)
   inclusive_ok = bool(np.all((flags == FLAG_INCLUSIVE) & ((state >> 2) == np.cumsum(units))))
   want = codec.compress_reference(x)
   group_meta = codec.make_group_meta(offsets, meta.reshape(-1, B.BLOCKS_PER_GROUP))[: want.group_meta.shape[0]]

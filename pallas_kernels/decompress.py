@@ -9,7 +9,7 @@ K or V) of `restore_pages`' store (groups packed in (head, page, kind) order, do
 its word 0 gives the group's first unit and format version, word 1 the per-slot bytes. For each
 of the page's 2 (head_dim 64) or 4 (head_dim 128) blocks the program loads the low plane and
 either the code plane (12-bit block) or the high plane (raw block), restores the high bytes
-with the word arithmetic of `block.decode_codes`, and scatters the 512 BF16 values straight to
+with `block.code_high_bytes` (the reference's own arithmetic), and scatters the 512 BF16 values straight to
 their page positions (`layout.page_permutation`), so no block-order copy is ever written.
 
 Reads are bounded as the reference's (`codec.decompress_reference`): a slot of an unknown
@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels._platform import resolve_interpret
+from pallas_kernels.compress import block_units_int
 from zipfusion_jax.format import block as B
 from zipfusion_jax.format import layout
 
@@ -132,9 +133,7 @@ def _restore_group(meta_ref, payload_ref, k_ref, v_ref, g, *, head_dim: int, pay
     @pl.when(compressed == 1)
     def _twelve_bit():
       hb = mb & B.MAX_HALF_BASE
-      codes = _load_unit(payload_ref, at + 2, inside)
-      hx = (codes & 0x87) + hb
-      hy = (((codes >> 4) & 0x07) | ((codes << 4) & 0x80)) + hb
+      hx, hy = B.code_high_bytes(_load_unit(payload_ref, at + 2, inside), hb)
       if entry is not None:
         flagged = mb >= B.META_EXCEPTION
         p = jnp.where(flagged, entry & ((1 << B.POSITION_BITS) - 1), -1)
@@ -149,11 +148,11 @@ def _restore_group(meta_ref, payload_ref, k_ref, v_ref, g, *, head_dim: int, pay
       hx, hy = _load_plane(payload_ref, at + 2, 0, inside), _load_plane(payload_ref, at + 2, 1, inside)
       _store_tiles(k_ref, v_ref, g, slot, head_dim, ((hx << 8) | low_x, (hy << 8) | low_y))
 
-    unit = unit + compressed * B.COMPRESSED_UNITS + (mb == B.META_RAW).astype(jnp.int32) * B.RAW_UNITS
+    unit = unit + block_units_int(mb)
 
 
 def _restore_kernel(meta_ref, payload_ref, k_ref, v_ref, *, groups: int, groups_per_program: int, **kwargs):
-  # meta_ref: int32 [G, 2 or 4]; payload_ref: uint8 [units * 64, 4]; k_ref, v_ref: uint16 [Hkv * P * 16 * D]
+  # meta_ref: int32 [G, 2 or 4]; payload_ref: uint8 [units, 64, 4]; k_ref, v_ref: uint16 [Hkv * P, 16 * D]
   for n in range(groups_per_program):
     g = pl.program_id(0) * groups_per_program + n
 
@@ -196,7 +195,7 @@ def restore_pages_pallas(arena: jax.Array, group_meta: jax.Array, *, head_dim: i
                         head_dim=head_dim, payload_units=payload_units, exceptions=width == 4),
       grid=(-(-groups // config.groups_per_program),),
       in_specs=[any_spec, any_spec],  # group metadata, payload rows
-      out_specs=[any_spec, any_spec],  # K pages, V pages (flat)
+      out_specs=[any_spec, any_spec],  # K pages, V pages (one row per (head, page))
       out_shape=[jax.ShapeDtypeStruct((kv_heads * pages, page_values), jnp.uint16)] * 2,
       interpret=resolve_interpret(interpret),
       compiler_params=pltr.CompilerParams(num_warps=config.num_warps),

@@ -168,11 +168,19 @@ def encode_codes(high: jnp.ndarray, half_base: jnp.ndarray) -> jnp.ndarray:
   return (hx & 0x80) | (dy << 4) | ((hy >> 4) & 0x08) | dx
 
 
+def code_high_bytes(codes, half_base):
+  """Code bytes + b/2 (broadcastable) -> (high(x), high(y)) of each code's pair, same shape as `codes`.
+
+  Plain integer ops, so the Pallas decompression kernel runs this very function on its tiles.
+  """
+  hx = (codes & 0x87) + half_base
+  hy = (((codes >> 4) & 0x07) | ((codes << 4) & 0x80)) + half_base
+  return hx, hy
+
+
 def decode_codes(codes: jnp.ndarray, half_base: jnp.ndarray) -> jnp.ndarray:
   """256 code bytes + b/2 -> the 512 high bytes (int32 [..., 512])."""
-  hb = half_base[..., None]
-  hx = (codes & 0x87) + hb
-  hy = (((codes >> 4) & 0x07) | ((codes << 4) & 0x80)) + hb
+  hx, hy = code_high_bytes(codes, half_base[..., None])
   lead = codes.shape[:-1]
   both = jnp.stack([hx.reshape(*lead, 64, 4), hy.reshape(*lead, 64, 4)], axis=-2)
   return both.reshape(*lead, VALUES_PER_BLOCK)
