@@ -50,6 +50,7 @@ LOAD_ARRIVALS = 2 * STEP_PAGES + 1  # one per (slot, K/V): a copy or a plain arr
 QROWS = 8  # query rows copied per CTA (>= heads per KV head)
 LSE_ROWS = 16  # rows of the (row-broadcast) log-sum-exp tile copied out: 512 B, a legal TMA
 LOG2E = 1.4426950408889634
+REDUCE_SCRATCH = 2 * 4 * 32 * 2  # f32 words: two [8]-column reductions (4 warps x 32 lanes x 2 values) at once
 CTAS_PER_SM = 2  # the split heuristic's target: two CTAs fit while ptxas needs <= 128 registers (BF16 pages)
 NUM_SMS = 132
 # DecodeConfig(consumers=2) is refused on a GPU (wrong outputs, a race; H100, 2026-12-06) unless a
@@ -172,7 +173,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   nb = head_dim // 32
   kvh, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
   wg = lax.axis_index("wg")
-  (q_smem, stream_or_epilogue, info_smem, chunk_smem, pt_smem), (q_bar, load_bars, consumed_bars) = scoped
+  (q_smem, stream_or_epilogue, info_smem, chunk_smem, pt_smem, reduce_smem), (q_bar, load_bars, consumed_bars) = scoped
   in_registers = compressed and not interpret  # restore straight into wgmma A fragments
   stream, (o_smem, lse_smem) = stream_or_epilogue  # one consumer: one SMEM region, the ring then O and LSE
   stream = iter(stream)
@@ -206,6 +207,10 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
     q_t = q_smem.transpose((1, 0))  # B operand [D, 8]
     pt_mine = pt_smem.at[c]
     pt_b = pt_mine.transpose((1, 0))  # B operand [64 tokens, 8]
+    if interpret:
+      over_tokens = lambda x, op: x.max(axis=0) if op == "max" else x.sum(axis=0)
+    else:  # cross-warp reductions through this consumer's own SMEM scratch (see `_reduce_over_tokens`)
+      over_tokens = functools.partial(_reduce_over_tokens, scratch=reduce_smem.at[c])
     m_i = plgpu.layout_cast(jnp.full((QROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
     l_rows = plgpu.layout_cast(jnp.full((STEP_TOKENS, QROWS), 0, jnp.float32), plgpu.Layout.WGMMA)
     acc = plgpu.layout_cast(jnp.full((head_dim, QROWS), 0, jnp.float32), plgpu.Layout.WGMMA)
@@ -251,7 +256,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       tok = (first_page + i * STEP_PAGES) * PAGE_SIZE + plgpu.broadcasted_iota(
           jnp.int32, (STEP_TOKENS, QROWS), 0, layout=plgpu.Layout.WGMMA)
       s = jnp.where(tok < jnp.minimum(length, end_page * PAGE_SIZE), s * (scale * LOG2E), -jnp.inf)
-      m_new = jnp.maximum(m_i, s.max(axis=0))
+      m_new = jnp.maximum(m_i, over_tokens(s, "max"))
       alpha = jnp.exp2(m_i - m_new)
       p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
       l_rows = l_rows * lax.broadcast_in_dim(alpha, l_rows.shape, [1]) + p
@@ -280,7 +285,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
 
     my_steps = jnp.maximum(n_steps - c + consumers - 1, 0) // consumers
     acc, m_i, l_rows = lax.fori_loop(0, my_steps, step, (acc, m_i, l_rows))
-    l_i = l_rows.sum(axis=0)
+    l_i = over_tokens(l_rows, "add")
     empty = l_i == 0
     l_safe = jnp.where(empty, 1.0, l_i)
     o_mine, lse_mine = o_smem.at[c], lse_smem.at[c]
@@ -402,6 +407,19 @@ def _inline(fn, ref_types, refs, infos, head_dim, out_shape=None):
       lambda ctx, *args: fn(*args, head_dim=head_dim))(*refs, tuple(infos))
 
 
+def _reduce_over_tokens(x, op, scratch):
+  """x f32 [64 tokens, 8] (WGMMA layout) reduced over tokens ("max" or "add") -> [8] (WGMMA.reduce(0)).
+
+  The token axis spans the 4 warps, so the reduction goes through SMEM. Pallas's own reduction
+  lowering uses one CTA-wide scratch region, which two consumer warpgroups reducing at once
+  overwrite under each other (the `consumers=2` race: wrong maxima and sums, H100, 2026-12-06);
+  here each consumer passes its own `scratch` (f32 [REDUCE_SCRATCH]), guarded by warpgroup barriers.
+  """
+  out = plgpu.ShapeDtypeStruct((QROWS,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(0))
+  return plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, _BYTES), return_type=out)(
+      lambda ctx, x, ref: x.reduce(op, 0, scratch=ref))(x, scratch)
+
+
 def _inline_store_pt(p16, pt_smem):
   """P^T into the [8, 64] B-operand tile (`restore_mgpu.store_pt`)."""
   plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, _TILE))(lambda ctx, p, ref: R.store_pt(p, ref))(p16, pt_smem)
@@ -460,6 +478,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
           plgpu.SMEM((stages, STEP_PAGES, P.info_words(version)), jnp.int32),
           plgpu.SMEM((P.CHUNK_PAGES, P.entry_words(version)), jnp.int32),
           tile((consumers, QROWS, STEP_TOKENS)),  # each consumer's P^T
+          plgpu.SMEM((consumers, REDUCE_SCRATCH), jnp.float32),  # each consumer's reduction scratch
       ),
       (
           plgpu.Barrier(num_barriers=1),

@@ -249,3 +249,41 @@ def test_two_consumers_are_refused_on_a_gpu_until_their_race_is_fixed(monkeypatc
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   with pytest.raises(NotImplementedError, match="race"):
     da.decode_attention_pallas(q, cache, 0.125, config=da.DecodeConfig(stages=2, consumers=2), interpret=False)
+
+
+def _kernel_primitives(fn, *args):
+  """Names of every primitive inside the Pallas Mosaic GPU kernel(s) that `fn` traces to."""
+  from jax._src import core
+
+  def walk(jaxpr, names):
+    for eqn in jaxpr.eqns:
+      names.add(eqn.primitive.name)
+      for sub in core.jaxprs_in_params(eqn.params):
+        walk(sub, names)
+    return names
+
+  def kernels(jaxpr, found):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "mpmd_map":
+        found |= {name for body in eqn.params["jaxprs"] for name in walk(getattr(body, "jaxpr", body), set())}
+      for sub in core.jaxprs_in_params(eqn.params):
+        kernels(sub, found)
+    return found
+
+  return kernels(jax.make_jaxpr(fn)(*args).jaxpr, set())
+
+
+@pytest.mark.parametrize("compressed", [True, False])
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_the_kernel_makes_no_pallas_cross_warp_reduction(compressed, consumers):
+  """Pallas lowers reduce_max / reduce_sum over warps through one CTA-wide SMEM scratch: two consumer
+  warpgroups reducing at once race on it (the wrong outputs of consumers=2, H100, 2026-12-06). The kernel
+  reduces through each consumer's own scratch instead (`_reduce_over_tokens`); this fails if a Pallas
+  reduction comes back."""
+  k, v = _kv(2, 100, 2, 128)
+  cache = zf.paged_cache_from_dense(k, v, np.array([100, 37]), compressed=compressed)
+  q = jnp.zeros((2, 8, 128), jnp.bfloat16)
+  cfg = da.DecodeConfig(stages=2, consumers=consumers)
+  names = _kernel_primitives(lambda q, c: da._decode_attention(q, c, 0.125, cfg, False), q, cache)
+  assert "inline_mgpu_p" in names and "wgmma_ref" in names  # the walk reached the kernel body
+  assert not names & {"reduce_max", "reduce_sum", "reduce_min"}, names & {"reduce_max", "reduce_sum", "reduce_min"}
