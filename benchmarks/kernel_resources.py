@@ -83,7 +83,6 @@ def main(argv=None):
   from pallas_kernels import decode_attention as decode_module
   from pallas_kernels.decode_attention import DecodeConfig, decode_attention_pallas
 
-  decode_module.TWO_CONSUMERS_ON_GPU = True  # registers of the (racy) two-consumer variant too
 
   prob = problem(jax.random.key(0), get_config("llama3.1-8b"), args.batch, args.context)
   rows = []

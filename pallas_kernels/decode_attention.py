@@ -18,7 +18,7 @@ One kernel body serves both stores of `zipfusion_jax.paged.PagedKVCache`. Per
 The two paths run the same wgmmas on the same values, so a compressed and an
 uncompressed cache of the same K/V give bit-identical outputs.
 
-Grid: (KV heads, sequences, splits); CTA = 1 consumer + 1 producer warpgroup.
+Grid: (KV heads, sequences, splits); CTA = 1 (or 2) consumer + 1 producer warpgroup.
 A split covers a contiguous range of pages; split outputs are normalised
 partials plus their log2-sum-exp, combined by `_combine` (jnp).
 
@@ -51,11 +51,8 @@ QROWS = 8  # query rows copied per CTA (>= heads per KV head)
 LSE_ROWS = 16  # rows of the (row-broadcast) log-sum-exp tile copied out: 512 B, a legal TMA
 LOG2E = 1.4426950408889634
 REDUCE_SCRATCH = 2 * 4 * 32 * 2  # f32 words: two [8]-column reductions (4 warps x 32 lanes x 2 values) at once
-CTAS_PER_SM = 2  # the split heuristic's target: two CTAs fit while ptxas needs <= 128 registers (BF16 pages)
+CTAS_PER_SM = 2  # the split heuristic's one-consumer target: two CTAs fit while ptxas needs <= 128 registers
 NUM_SMS = 132
-# DecodeConfig(consumers=2) is refused on a GPU (wrong outputs, a race; H100, 2026-12-06) unless a
-# diagnosis script sets this (benchmarks.fused_kernel_check and kernel_resources do, to study it).
-TWO_CONSUMERS_ON_GPU = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,18 +75,21 @@ class DecodeConfig:
       `setmaxnreg` at all (ptxas sizes one register count for both warpgroups), which is what
       gets 2 CTAs/SM; 232, 208 and 168 all measured at one (H200, 2026-12-04: 32 x 2048
       compressed 78.7 us at 208 with warp_issue, 56.8 us at 0).
-    consumers: consumer warpgroups per CTA (1 or 2). 2 is refused on a GPU for now: its outputs
-      were wrong there in 9 of 14 cases (H100, 2026-12-06; a race, the failing variant changing
-      from case to case) while interpret mode agrees with the reference. Design: sharing one producer and one ring: consumer
+    consumers: consumer warpgroups per CTA (1 or 2), sharing one producer and one ring: consumer
       c takes steps c, c + consumers, ... with its own softmax state and writes its own partial
       (a virtual split, merged by the split combine). With 2, a CTA has 384 threads, so ptxas
       caps every thread at 168 registers and two consumers always share an SM; with 1, two CTAs
       share an SM only while ptxas needs <= 128 registers (format 1 needed 150 on 2026-12-05: one
       CTA per SM, the H200's consumer-bound figure). `stages` must be a multiple of it (each
-      consumer then waits on every phase of its own stages' barriers).
+      consumer then waits on every phase of its own stages' barriers). Each consumer reduces over
+      tokens through its own SMEM scratch (`_reduce_over_tokens`): with Pallas's CTA-wide reduction
+      scratch the two raced (wrong outputs in 9 of 14 cases, H100, 2026-12-06); fixed, correct in
+      every case run on the H100 (11 of 14, 2026-12-06; the call's time ran out). The heuristic's
+      choice for format version 2.
     v_after_qk: restore V^T only once S^T = K Q^T is done (K's 32 operand registers are then
       dead) instead of while that wgmma runs: less overlap, a lower register peak (a way for one
-      consumer to fit ptxas's 128 again; correct on the H100 in all 14 cases, 2026-12-06; not yet timed).
+      consumer to fit ptxas's 128 again: 122 registers at 2 stages, H100, 2026-12-06, and 2 CTAs
+      per SM; correct there in all 14 cases). The heuristic's choice for format version 1.
     timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
       waits for and releases each stage (the producer's copy rate), "compute" = the producer
       issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
@@ -119,39 +119,42 @@ class DecodeConfig:
 
 
 def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool = False,
-                     consumers: int = 1) -> DecodeConfig:
+                     consumers: int | None = None, version: int = 1) -> DecodeConfig:
   """Pick splits so the grid about fills every CTA slot while each split keeps >= 4 steps, and
-  the ring depth by store.
+  the consumer layout and ring depth by store.
 
-  Decode attention is bandwidth bound: what matters is that every SM streams. The
-  default config runs 2 CTAs per SM, so fewer than ~264 (Hkv x B) CTAs leave slots
-  idle: split the page range until the grid covers 90% of them, but never below 4
-  steps (256 tokens) per split, where the per-split prologue, epilogue and combine
-  cost more than they hide. Past that, more splits only add combine traffic (H200,
-  2026-12-04, Llama-3.1-8B shapes, compressed: 8 x 8192 runs 138.6 / 77.8 / 60.2 us
-  at 1 / 2 / 4 splits (64 / 128 / 256 CTAs); 32 x 2048 (256 CTAs) 56.8 us unsplit,
-  64.9 at 2, 71.7 at 4).
+  Decode attention is bandwidth bound: what matters is that every SM streams. One consumer per
+  CTA runs 2 CTAs per SM while ptxas needs <= 128 registers, so fewer than ~264 (Hkv x B) CTAs
+  leave slots idle: split the page range until the grid covers 90% of them, but never below 4
+  steps (256 tokens) per split, where the per-split prologue, epilogue and combine cost more
+  than they hide. Past that, more splits only add combine traffic (H200, 2026-12-04,
+  Llama-3.1-8B shapes, compressed: 8 x 8192 runs 138.6 / 77.8 / 60.2 us at 1 / 2 / 4 splits
+  (64 / 128 / 256 CTAs); 32 x 2048 (256 CTAs) 56.8 us unsplit, 64.9 at 2, 71.7 at 4).
 
-  Stages: 3 for 12-bit pages, 2 for BF16 pages. A compressed step's copies are ~25% smaller than
-  a BF16 step's, so at the same depth fewer bytes are in flight; with the tail page in its
-  byte-stage slot, 3 stages (~109 KB of SMEM at D = 128) still fit two CTAs per SM (H100,
-  2026-12-05, compressed: 32 x 2048 89.0 -> 82.3 us, 8 x 8192 94.5 -> 88.1 us; BF16 pages
-  unchanged, 94.9 / 97.6 us at both depths). At 150 registers (2026-12-05) format 1 no longer
-  fits two CTAs per SM; `CTAS_PER_SM` is what the BF16 path still gets.
-
-  With `consumers=2` (refused on a GPU until its race is fixed) a CTA holds two consumers and
-  an SM one CTA, so the grid targets one CTA per SM, and the ring is 4 deep for 12-bit pages
-  (each consumer owns 2 stages; ~140 KB of SMEM at D = 128), 2 for BF16 pages.
+  Per store (H100, 2026-12-06, same run, B x S = 32 x 2048 / 8 x 8192, cuDNN 91.6 / 93.1 us;
+  benchmarks/RESULTS.md):
+  * BF16 pages: one consumer, 2 stages (56-62 registers, 2 CTAs per SM).
+  * Format version 1: one consumer, V^T restored after the QK wgmma (`v_after_qk`), 2 stages:
+    122 registers (ptxas), so 2 CTAs per SM again; 76.7 / 78.6 us, against 80.2 / 83.3 for
+    the overlapped restore at 3 stages (163 registers, one CTA per SM).
+  * Format version 2: two consumers, 4 stages (157 registers, one 384-thread CTA per SM):
+    83.6 / 80.0 us, against 86.4 / 88.5 for one consumer at 3 stages (175 registers) and
+    88.4 / 93.2 with `v_after_qk` at 2.
+  `consumers` overrides the store's choice (1 or 2; None = the store's). Two consumers share
+  one CTA, so the grid then targets one CTA per SM, and the ring is 4 deep for 12-bit pages
+  (each consumer owns 2 stages; ~157 KB of SMEM at D = 128), 2 for BF16 pages.
   """
+  if consumers is None:
+    consumers = 2 if compressed and version >= 2 else 1
   ctas = batch * kv_heads
   steps = -(-max(max_pages, 1) // STEP_PAGES)
   slots = (CTAS_PER_SM if consumers == 1 else 1) * NUM_SMS
   splits = 1
   while ctas * splits < 0.9 * slots and steps // (2 * splits) >= 4:
     splits *= 2
-  if consumers == 1:
-    return DecodeConfig(splits=splits, stages=3 if compressed else 2)
-  return DecodeConfig(splits=splits, stages=4 if compressed else 2, consumers=consumers)
+  if consumers == 2:
+    return DecodeConfig(splits=splits, stages=4 if compressed else 2, consumers=2)
+  return DecodeConfig(splits=splits, stages=2, v_after_qk=compressed)
 
 
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
@@ -553,13 +556,10 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
       time. It runs un-jitted.
   """
   if config is None:
-    config = heuristic_config(cache.batch, cache.num_kv_heads, cache.max_pages, cache.compressed)
+    config = heuristic_config(cache.batch, cache.num_kv_heads, cache.max_pages, cache.compressed,
+                              version=cache.format_version or 1)
   if _platform.resolve_interpret(interpret):
     return _decode_attention(q, cache, float(scale), config, bool(return_lse), interpret=True)
-  if config.consumers > 1 and jax.default_backend() == "gpu" and not TWO_CONSUMERS_ON_GPU:
-    raise NotImplementedError(
-        "DecodeConfig(consumers=2) gives wrong outputs on the GPU (a race: H100, 2026-12-06, "
-        "benchmarks/results/fused_kernel_consumers_h100_stdout.txt); it runs interpreted and lowers only")
   return _decode_attention_jit(q, cache, float(scale), config, bool(return_lse))
 
 

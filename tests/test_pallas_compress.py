@@ -109,6 +109,7 @@ def test_version_2_bytes_equal_reference(n):
   np.testing.assert_array_equal(np.asarray(zf.decompress(got)).view(np.uint16), x.view(np.uint16))
 
 
+@pytest.mark.slow  # ~60 s interpreted; test_version_2_bytes_equal_reference stays in the default tier
 def test_version_2_kernel_on_every_pattern_as_the_exception():
   """Every BF16 pattern once as the one out-of-window value (at a rotating position), in chunks."""
   from test_format_v2 import background
