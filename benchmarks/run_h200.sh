@@ -8,29 +8,23 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
-# 0. (2026-12-06, H100) consumers=2 FAILS on the GPU (a race; benchmarks/RESULTS.md) and is refused by
-# decode_attention_pallas; fused_kernel_check opts in to study it. Fix the race before its timing
-# means anything; v_after_qk passed every case: time it against stages 3 (below, first sweep).
-# 1. Two consumer warpgroups (DecodeConfig(consumers=2)): correctness on
-# every case, then timing against the one-consumer kernel and cuDNN in the same run. Why: at 150
-# registers (ptxas, 2026-12-05) the one-consumer kernel runs one CTA per SM, so on the H200 (consumer
-# bound) it only ties cuDNN; two consumers per CTA get 168 registers each from ptxas by construction.
-# Also one consumer with V^T restored after the QK wgmma (v_after_qk: a lower register peak, maybe two
-# CTAs per SM again). Stop on any FAIL. Make the winner the heuristic's default for 12-bit pages, then e2e.
-timeout -s KILL 420 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":3},{"stages":2,"consumers":2},{"stages":4,"consumers":2},{"stages":2,"v_after_qk":true},{"stages":3,"timing_probe":"compute"},{"stages":4,"consumers":2,"timing_probe":"compute"}]' --out "$out/fused_kernel_consumers_h200.json" 2>&1 | grep --line-buffered -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/consumers_check.txt
-if grep -q FAIL /tmp/consumers_check.txt; then echo "kernel check failed: stopping"; exit 1; fi
-# 1a. The engine with the winning knobs, no code change (PagedBackend.decode_knobs), against BF16 pages.
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 300 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --systems zipfusion --steps 128 --decode-knobs '{"consumers":2,"stages":4}' --out "$out/e2e_consumers2_h200.json" 2>&1 | grep --line-buffered "tok/s"
+# 1. (2026-12-06, H100) consumers=2 is fixed (own reduction scratch) and the heuristic now picks
+# v_after_qk at 2 stages for format 1 (122 registers, 2 CTAs/SM) and two consumers at 4 stages for
+# format 2. On the H200 (consumer-bound at one CTA/SM before): all 14 cases under the new defaults
+# and the old one, then timing with cuDNN in the same run. Stop on any FAIL.
+timeout -s KILL 420 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":2,"v_after_qk":true},{"stages":4,"consumers":2},{"stages":3},{"stages":3,"v_after_qk":true}]' --out "$out/fused_kernel_defaults_h200.json" 2>&1 | grep --line-buffered -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/defaults_check.txt
+if grep -q FAIL /tmp/defaults_check.txt; then echo "kernel check failed: stopping"; exit 1; fi
+# 1a. End to end at 8K with the new defaults (no knobs), all three systems, both models (one call each).
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 420 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --systems zipfusion,uncompressed,decompress_then_attend --steps 128 --out "$out/e2e_llama_8k_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note"
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 420 python3 -m benchmarks.e2e --models qwen3-8b --contexts 8192 --systems zipfusion,uncompressed,decompress_then_attend --steps 128 --out "$out/e2e_qwen3_8k_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note"
 # 1c. The page-decompression kernel (decompress-then-attend's restore): bit-exact pages + timing.
 timeout -s KILL 150 python3 -m benchmarks.attention --shapes 32x2048 --out "$out/attention_dta_h200.json" 2>&1 | grep -vE "^\s*$|Warning"
 # 1b. Registers per variant (ptxas dumps; compile only), the two-consumer ones included.
 timeout -s KILL 200 python3 -m benchmarks.kernel_resources --out "$out/kernel_resources_h200.json" 2>&1 | grep --line-buffered -E "registers|Error"
 # 2. The single-pass compressor with the strided tail zeroing (was 174 us of its 987 us), against two-pass.
 timeout -s KILL 300 python3 -m benchmarks.compress --variants single_pass_tile2_w1,single_pass_tile4_w4,two_pass_plan16_w4 --out "$out/compress_h200.json" 2>&1 | grep --line-buffered -vE "Warning|^\s*$"
-# Format version 2 next to version 1, split into producer (copies) and consumer (compute) time;
-# stop on any FAIL.
-python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":3}, {"stages":3,"timing_probe":"copies"}, {"stages":3,"timing_probe":"compute"}]' --out "$out/fused_kernel_v2_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion" | tee /tmp/v2_check.txt
-if grep -q FAIL /tmp/v2_check.txt; then echo "kernel check failed: stopping"; exit 1; fi
+# Where the default kernels' time goes: producer (copies) and consumer (compute) alone (timing only).
+python3 -m benchmarks.fused_kernel_check --quick --skip-correctness --sweep '[{"stages":2,"v_after_qk":true,"timing_probe":"copies"},{"stages":2,"v_after_qk":true,"timing_probe":"compute"},{"stages":4,"consumers":2,"timing_probe":"copies"},{"stages":4,"consumers":2,"timing_probe":"compute"}]' --out "$out/fused_kernel_probes_h200.json" 2>&1 | grep -E "cudnn|zipfusion"
 python3 -m benchmarks.fused_kernel_check --out "$out/fused_kernel_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion"
 python3 -m benchmarks.attention --out "$out/attention_h200.json" 2>&1 | grep -vE "^\s*$|Warning"
 python3 -m benchmarks.generate --batch 32 --context 8192 --out "$out/generate_h200.json" 2>&1 | tail -8
