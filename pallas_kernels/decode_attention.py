@@ -84,7 +84,7 @@ class DecodeConfig:
       consumer then waits on every phase of its own stages' barriers). Each consumer reduces over
       tokens through its own SMEM scratch (`_reduce_over_tokens`): with Pallas's CTA-wide reduction
       scratch the two raced (wrong outputs in 9 of 14 cases, H100, 2026-12-06); fixed, correct in
-      every case run on the H100 (11 of 14, 2026-12-06; the call's time ran out). The heuristic's
+      all 14 cases (H100 and H200, 2026-12-06). The heuristic's
       choice for format version 2.
     v_after_qk: restore V^T only once S^T = K Q^T is done (K's 32 operand registers are then
       dead) instead of while that wgmma runs: less overlap, a lower register peak (a way for one
@@ -140,6 +140,8 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool
   * Format version 2: two consumers, 4 stages (157 registers, one 384-thread CTA per SM):
     83.6 / 80.0 us, against 86.4 / 88.5 for one consumer at 3 stages (175 registers) and
     88.4 / 93.2 with `v_after_qk` at 2.
+  On the H200 (same day): format 1 53.4 / 56.6 us (cuDNN 62.5 / 65.3; 62.2 / 66.2 at 3 stages),
+  format 2 63.9 / 59.1 us (83.4 / 85.1 at one consumer, 3 stages).
   `consumers` overrides the store's choice (1 or 2; None = the store's). Two consumers share
   one CTA, so the grid then targets one CTA per SM, and the ring is 4 deep for 12-bit pages
   (each consumer owns 2 stages; ~157 KB of SMEM at D = 128), 2 for BF16 pages.
