@@ -1,7 +1,7 @@
 """End-to-end decode under one KV memory budget: ZipFusion vs uncompressed vs decompress-then-attend.
 
   python -m benchmarks.e2e [--models llama3.1-8b,qwen3-8b] [--contexts 2048,8192,32768]
-      [--budget-gib 48] [--steps 256] [--warmup 8] [--max-slots 512] [--decomposition [--decomposition-shape 32x2048]]
+      [--budget-gib 48[,whole] [--reserve-gib 8]] [--steps 256] [--warmup 8] [--max-slots 512] [--decomposition [--decomposition-shape 32x2048]]
       [--kv-stats random|real] [--decode-knobs '{"consumers": 2, "stages": 4}'] [--out benchmarks/results/e2e_h200.json]
 
 Three systems, all this project's serving engine with random BF16 weights at the model's shapes:
@@ -12,7 +12,9 @@ budget); `--systems ...,zipfusion_v2` adds the 12-bit store in format version 2 
 per block, docs/FORMAT.md §9) with the same fused kernel. Largest batch: the store is built from the budget, `--max-slots` requests of `context`
 tokens are submitted, and the engine's own admission (capacity with every running request's
 generation reserved, at the measured compression ratio) decides how many run; `is_max_batch` is
-true when admission, not the slot count, was the limit. Then `--steps` decode steps are timed
+true when admission, not the slot count, was the limit. `--budget-gib whole` is the second setting
+of the comparison: the whole device less the weights and `--reserve-gib` (rows say
+`"budget_setting": "whole"` and the GiB it came to). Then `--steps` decode steps are timed
 after `--warmup` (wall time per `Engine.step()`: host scheduler, plan, jitted step, readback); a
 timed step that compiled (a completion width first seen after the warm-up) is a one-time cost,
 listed in `compile_step_ms` and left out of `step_ms` / `decode_tokens_per_s`.
@@ -177,6 +179,40 @@ def run_system(config, params, system: str, context: int, steps: int, warmup: in
   return row
 
 
+WHOLE = "whole"
+
+
+def whole_device_budget_gib(reserve_gib: float, device=None) -> float:
+  """The KV budget that fills the device: its memory limit less what is in use (the weights, on a
+  fresh process) less `reserve_gib` for the decode step's working memory (activations, logits, XLA
+  temporaries; decompress-then-attend's BF16 buffer is inside the budget, not the reserve)."""
+  device = device or jax.devices()[0]
+  stats = device.memory_stats()
+  if not stats or "bytes_limit" not in stats:
+    raise ValueError(f"--budget-gib {WHOLE} needs a device that reports its memory (a GPU); {device} does not")
+  free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) / 2**30 - reserve_gib
+  if free <= 0:
+    raise ValueError(f"{device} has no memory left for KV after the weights and a {reserve_gib} GiB reserve")
+  return free
+
+
+def parse_budgets(text: str) -> list[float | str | None]:
+  """`--budget-gib`: comma-separated GiB values and / or `whole` (the device less the weights)."""
+  budgets = []
+  for item in (t.strip() for t in text.split(",") if t.strip()):
+    if item == WHOLE:
+      budgets.append(WHOLE)
+      continue
+    try:
+      value = float(item)
+    except ValueError:
+      raise ValueError(f"--budget-gib {item!r}: a number of GiB or {WHOLE!r}") from None
+    if value <= 0:
+      raise ValueError(f"--budget-gib {item!r} must be > 0")
+    budgets.append(value)
+  return budgets
+
+
 def offered_slots(context: int, max_slots: int) -> int:
   """Requests offered at `context`: `max_slots`, capped so that the unbudgeted starting config
   (every slot at full length) stays inside the format's 30-bit unit offsets (~1.5M tokens)."""
@@ -187,7 +223,11 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--models", default="llama3.1-8b,qwen3-8b")
   p.add_argument("--contexts", default="2048,8192,32768")
-  p.add_argument("--budget-gib", type=float, default=48.0)
+  p.add_argument("--budget-gib", type=parse_budgets, default=[48.0],
+                 help=f"KV budgets, comma-separated GiB and / or '{WHOLE}' (the device's memory less the weights "
+                      "and --reserve-gib), e.g. 48,whole")
+  p.add_argument("--reserve-gib", type=float, default=8.0,
+                 help=f"with '{WHOLE}': device memory left to the decode step's working set")
   p.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, of {', '.join(SYSTEMS)}")
   p.add_argument("--steps", type=int, default=256)
   p.add_argument("--warmup", type=int, default=2 * PAGE_SIZE,
@@ -214,14 +254,17 @@ def main(argv=None):
       params, planted = real_kv_params(params, config, jax.random.key(1))
       print(f"{name}: planted outlier channels, eligible K {planted.before['k']:.3f} -> {planted.after['k']:.3f}, "
             f"V {planted.before['v']:.3f} -> {planted.after['v']:.3f}", flush=True)
-    settings = [(int(c), offered_slots(int(c), a.max_slots), a.budget_gib) for c in a.contexts.split(",") if c]
+    budgets = [(whole_device_budget_gib(a.reserve_gib), WHOLE) if b == WHOLE else (b, "fixed") for b in a.budget_gib]
+    settings = [(int(c), offered_slots(int(c), a.max_slots), gib, setting)
+                for gib, setting in budgets for c in a.contexts.split(",") if c]
     if a.decomposition:
       batch, context = map(int, a.decomposition_shape.split("x"))
-      settings.append((context, batch, None))
-    for context, slots, budget in settings:
+      settings.append((context, batch, None, None))
+    for context, slots, budget, setting in settings:
       for system in a.systems.split(","):
         row = run_system(config, params, system, context, a.steps, a.warmup, slots, budget, knobs)
         row["kv_statistics"] = a.kv_stats
+        row["budget_setting"] = setting
         if planted is not None:
           row["planted_prompt_eligible"] = planted.after
         rows.append(row)

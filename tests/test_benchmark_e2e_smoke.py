@@ -1,6 +1,8 @@
 """CPU smoke tests of the end-to-end benchmark (tiny model, tiny budget): schema, largest batches, decomposition;
 and of the per-kernel step profile."""
 
+import pytest
+
 from benchmarks import e2e
 
 FIELDS = {"model", "system", "context", "batch", "is_max_batch", "kv_budget_gib", "decode_tokens_per_s", "step_ms",
@@ -73,3 +75,38 @@ def test_step_host_splits_a_step_into_phases_on_cpu():
   assert sum(phases[p] for p in step_host.PHASES) <= phases["wall"] * 1.01
   assert all(row["jitted_alone"][k] > 0 for k in ("sync_ms", "pipelined_ms", "pipelined_device_plan_ms"))
   assert row["cprofile_top"] and row["cprofile_top"][0]["own_ms"] >= row["cprofile_top"][-1]["own_ms"]
+
+
+class _Device:
+  def __init__(self, stats):
+    self.stats = stats
+
+  def memory_stats(self):
+    return self.stats
+
+  def __str__(self):
+    return "fake device"
+
+
+def test_whole_device_budget_is_the_memory_left_after_the_weights_and_the_reserve():
+  gib = 2**30
+  assert e2e.whole_device_budget_gib(8.0, _Device({"bytes_limit": 134 * gib, "bytes_in_use": 16 * gib})) == 110.0
+  with pytest.raises(ValueError, match="reports its memory"):
+    e2e.whole_device_budget_gib(8.0, _Device(None))  # the CPU backend reports none
+  with pytest.raises(ValueError, match="no memory left"):
+    e2e.whole_device_budget_gib(8.0, _Device({"bytes_limit": 20 * gib, "bytes_in_use": 16 * gib}))
+
+
+def test_budget_flag_takes_numbers_and_whole():
+  assert e2e.parse_budgets("48,whole") == [48.0, "whole"]
+  for bad in ("0", "lots", "-3"):
+    with pytest.raises(ValueError):
+      e2e.parse_budgets(bad)
+
+
+def test_whole_budget_rows_say_so(monkeypatch):
+  monkeypatch.setattr(e2e, "whole_device_budget_gib", lambda reserve: 0.002)
+  rows = e2e.main(["--models", "tiny-llama3", "--contexts", "48", "--budget-gib", "0.001,whole", "--systems", "zipfusion",
+                   "--steps", "1", "--warmup", "1", "--max-slots", "40"])["rows"]
+  assert [(r["budget_setting"], r["kv_budget_gib"]) for r in rows] == [("fixed", 0.001), ("whole", 0.002)]
+  assert rows[1]["batch"] > rows[0]["batch"]  # twice the budget holds more sequences
