@@ -283,3 +283,38 @@ def test_reference_ignores_nan_in_rows_past_the_length():
       page_table=cache.page_table.at[0, 1:].set(cache.num_pages))
   got = zf.paged_decode_attention(q, poisoned, impl="reference")
   assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_decompress_then_attend_holds_one_layers_buffer_at_a_time():
+  """A decode step of 8 layers through `decompress_then_attend`: each layer's restore waits for that
+  layer's query, so the step's temporaries stay near one layer's BF16 buffer; the same restores
+  left free (the unbarriered composition) let XLA hold several at once."""
+  from zipfusion_jax.paged import api
+
+  batch, seq, heads, head_dim, layers = 4, 512, 2, 128, 8
+  rng = np.random.default_rng(0)
+  caches = []
+  for _ in range(layers):
+    k = jnp.asarray(rng.normal(size=(batch, seq, heads, head_dim)), jnp.bfloat16)
+    caches.append(zf.paged_cache_from_dense(k, k, np.full(batch, seq), compressed=True))
+  q = jnp.ones((batch, heads * 4, head_dim), jnp.bfloat16)
+
+  def free_restore(q, cache):  # the composition without the barrier
+    k_pages, v_pages = zf.restore_pages(cache, "reference")
+    plain = cache.replace(arena=None, group_meta=None, k_pages=k_pages, v_pages=v_pages, compressed=False)
+    return api.paged_decode_attention(q, plain, impl="reference")
+
+  def step(q, caches, attend):
+    for cache in caches:
+      q = (attend(q, cache) * 0.5 + q).astype(jnp.bfloat16)
+    return q
+
+  def temp_bytes(attend):
+    lowered = jax.jit(lambda q, cs: step(q, cs, attend)).lower(q, caches)
+    return lowered.compile().memory_analysis().temp_size_in_bytes
+
+  barriered = temp_bytes(lambda q, c: api.decompress_then_attend(q, c, impl="reference", restore_impl="reference"))
+  free = temp_bytes(free_restore)
+  one_layer = 2 * caches[0].num_pages * heads * 16 * head_dim * 2  # K and V BF16 pages
+  assert barriered < free / 2, (barriered, free)
+  assert barriered <= 6 * one_layer, (barriered, one_layer)

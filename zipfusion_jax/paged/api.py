@@ -74,6 +74,11 @@ def decompress_then_attend(q, cache: PagedKVCache, sm_scale: float | None = None
   kernel on a GPU, else the jnp restore), then runs the uncompressed paged kernel (`impl`) on it.
   """
   if cache.compressed:
+    # The restore reads only the store, so without this XLA may hoist every layer's restore to the
+    # start of a decode step and hold all their BF16 buffers at once (CPU, 8 layers: 5x the
+    # temporaries); tied to this layer's query, one layer's buffer is alive at a time, which is
+    # what the baseline's memory budget counts (`PagedBackend.decompress_buffer_bytes`).
+    q, cache = jax.lax.optimization_barrier((q, cache))
     k_pages, v_pages = restore_pages(cache, restore_impl)
     cache = cache.replace(arena=None, group_meta=None, k_pages=k_pages, v_pages=v_pages, compressed=False)
   return paged_decode_attention(q, cache, sm_scale, impl=impl, **kwargs)
