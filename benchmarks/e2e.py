@@ -17,7 +17,8 @@ of the comparison: the whole device less the weights and `--reserve-gib` (rows s
 `"budget_setting": "whole"` and the GiB it came to). Then `--steps` decode steps are timed
 after `--warmup` (wall time per `Engine.step()`: host scheduler, plan, jitted step, readback); a
 timed step that compiled (a completion width first seen after the warm-up) is a one-time cost,
-listed in `compile_step_ms` and left out of `step_ms` / `decode_tokens_per_s`.
+listed in `compile_step_ms` and left out of `step_ms` / `decode_tokens_per_s` (sequences decoded per
+second over the other timed steps).
 
 Decomposition (`attention_ms`, `decompress_ms`): after the timed steps, on the same state, every
 layer's attention alone (fused kernel, or the BF16 kernel on pre-restored pages) and every
@@ -28,7 +29,8 @@ KV statistics (`--kv-stats`): `random` runs on the random model's own KV (~95% o
 eligible); `real` first plants outlier channels in the K / V projections
 (`benchmarks/kv_outliers.py`) so the KV is at the embedded model's measured real-KV eligibility.
 
-Rows: {"model", "system", "context", "batch", "is_max_batch", "kv_budget_gib", "decode_tokens_per_s",
+Rows: {"model", "system", "context", "batch" (running after admission), "batch_max" (the most a timed
+step decoded: admission may add requests as the measured compression ratio frees room), "is_max_batch", "kv_budget_gib", "decode_tokens_per_s",
 "step_ms", "step_ms_median", "compiles_in_timing", "compile_step_ms", "attention_ms", "decompress_ms",
 "eligible_fraction", "kv_statistics", "decode_knobs"}.
 `--decode-knobs` sets fused-kernel knobs over its heuristic config (`PagedBackend.decode_knobs`) for
@@ -146,31 +148,36 @@ def run_system(config, params, system: str, context: int, steps: int, warmup: in
   batch = len(engine.scheduler.running)
   for _ in range(warmup):
     engine.step()
-  times, compile_steps = [], []
+  steady, compile_steps = [], []  # (seconds, sequences decoded) per timed step
   for _ in range(steps):
     compiled = sum(engine.traces.values())
     t0 = time.perf_counter()
-    engine.step()
+    report = engine.step()
     dt = time.perf_counter() - t0
-    # A step that traced (a completion width first seen after the warm-up) is a one-time compile,
-    # not serving speed: it is reported on its own and left out of the steady-state mean.
-    (compile_steps if sum(engine.traces.values()) > compiled else times).append(dt)
+    # A step that traced (a completion width first seen after the warm-up, e.g. once a request
+    # admitted later completes a page on its own) is a one-time compile, not serving speed: it is
+    # reported on its own and left out of the steady-state figures.
+    (compile_steps if sum(engine.traces.values()) > compiled else steady).append((dt, report.decoded))
   compiles_in_timing = len(compile_steps)
   if compiles_in_timing:
-    print(f"note: {system}: {compiles_in_timing} timed step(s) compiled ({1e3 * sum(compile_steps):.0f} ms); "
-          "left out of the mean", flush=True)
-  step_s = statistics.mean(times or compile_steps)  # every step compiled: no steady state to report apart
+    print(f"note: {system}: {compiles_in_timing} timed step(s) compiled "
+          f"({1e3 * sum(t for t, _ in compile_steps):.0f} ms); left out of the mean", flush=True)
+  timed = steady or compile_steps  # every step compiled: no steady state to report apart
+  times = [t for t, _ in timed]
+  step_s = statistics.mean(times)
+  tokens_per_s = sum(n for _, n in timed) / sum(times)  # sequences decoded, should admission add some
   attention_ms, decompress_ms = layer_parts(engine)
   compressed = SYSTEMS[system][0]
   row = dict(
       model=config.name, system=system, context=context, batch=batch,
       is_max_batch=bool(engine.scheduler.waiting) and budget is not None, kv_budget_gib=budget_gib,
-      decode_tokens_per_s=batch / step_s, step_ms=1e3 * step_s, step_ms_median=1e3 * statistics.median(times),
+      decode_tokens_per_s=tokens_per_s, step_ms=1e3 * step_s, step_ms_median=1e3 * statistics.median(times),
+      batch_max=max(n for _, n in timed),
       attention_ms=attention_ms, decompress_ms=decompress_ms,
       eligible_fraction=eligible_block_fraction(engine.cfg, engine.allocator) if compressed else None,
       kv_store_bytes=engine.cfg.store_bytes + engine.cfg.metadata_bytes,
       decompress_buffer_bytes=engine.backend.decompress_buffer_bytes, weights="random",
-      compiles_in_timing=compiles_in_timing, compile_step_ms=[1e3 * t for t in compile_steps],
+      compiles_in_timing=compiles_in_timing, compile_step_ms=[1e3 * t for t, _ in compile_steps],
       decode_knobs=dict(decode_knobs))
   # The engine and its jitted steps form a reference cycle: collect it now, or the next system's
   # store is allocated while this one's (the whole budget) is still alive.

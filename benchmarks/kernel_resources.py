@@ -40,6 +40,8 @@ VARIANTS = {  # name -> (cache, DecodeConfig knobs)
     # one consumer, V^T restored after the QK wgmma: does the peak drop to <= 128 (two CTAs per SM)?
     "format1_v_after_qk_stages2": ("comp", {"stages": 2, "v_after_qk": True}),
     "format1_v_after_qk_stages3": ("comp", {"stages": 3, "v_after_qk": True}),
+    # format 2 with V^T after QK (slower than two consumers on 2026-12-06: above 128 registers?)
+    "format2_v_after_qk_stages2": ("comp2", {"stages": 2, "v_after_qk": True}),
 }
 REGISTERS = re.compile(r"Used (\d+) registers")
 SMEM = re.compile(r"(\d+) bytes smem|smem[^0-9\n]{0,24}(\d+)", re.IGNORECASE)

@@ -25,8 +25,9 @@ timeout -s KILL 150 python3 -m benchmarks.attention --shapes 32x2048 --out "$out
 timeout -s KILL 200 python3 -m benchmarks.kernel_resources --out "$out/kernel_resources_h200.json" 2>&1 | grep --line-buffered -E "registers|Error"
 # 2. The single-pass compressor with the strided tail zeroing (was 174 us of its 987 us), against two-pass.
 timeout -s KILL 300 python3 -m benchmarks.compress --variants single_pass_tile2_w1,single_pass_tile4_w4,two_pass_plan16_w4 --out "$out/compress_h200.json" 2>&1 | grep --line-buffered -vE "Warning|^\s*$"
-# Where the default kernels' time goes: producer (copies) and consumer (compute) alone (timing only).
-python3 -m benchmarks.fused_kernel_check --quick --skip-correctness --sweep '[{"stages":2,"v_after_qk":true,"timing_probe":"copies"},{"stages":2,"v_after_qk":true,"timing_probe":"compute"},{"stages":4,"consumers":2,"timing_probe":"copies"},{"stages":4,"consumers":2,"timing_probe":"compute"}]' --out "$out/fused_kernel_probes_h200.json" 2>&1 | grep -E "cudnn|zipfusion"
+# Where the default kernels' time goes: producer (copies) and consumer (compute) alone (timing only);
+# and format 2's two consumers at 2 and 4 splits (its heuristic targets one CTA per SM; is that the best grid?).
+python3 -m benchmarks.fused_kernel_check --quick --skip-correctness --sweep '[{"stages":2,"v_after_qk":true,"timing_probe":"copies"},{"stages":2,"v_after_qk":true,"timing_probe":"compute"},{"stages":4,"consumers":2,"timing_probe":"copies"},{"stages":4,"consumers":2,"timing_probe":"compute"},{"stages":4,"consumers":2,"splits":2},{"stages":4,"consumers":2,"splits":4}]' --out "$out/fused_kernel_probes_h200.json" 2>&1 | grep -E "cudnn|zipfusion"
 python3 -m benchmarks.fused_kernel_check --out "$out/fused_kernel_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion"
 python3 -m benchmarks.attention --out "$out/attention_h200.json" 2>&1 | grep -vE "^\s*$|Warning"
 python3 -m benchmarks.generate --batch 32 --context 8192 --out "$out/generate_h200.json" 2>&1 | tail -8

@@ -6,7 +6,7 @@ import pytest
 from benchmarks import e2e
 
 FIELDS = {"model", "system", "context", "batch", "is_max_batch", "kv_budget_gib", "decode_tokens_per_s", "step_ms",
-          "attention_ms", "decompress_ms", "eligible_fraction"}
+          "attention_ms", "decompress_ms", "eligible_fraction", "batch_max", "compile_step_ms", "step_ms_median"}
 
 
 def test_e2e_rows(tmp_path):
