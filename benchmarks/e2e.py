@@ -107,21 +107,32 @@ def backend_for(config, system: str, slots: int, max_tokens: int, budget_bytes: 
 
 
 def layer_parts(engine: Engine) -> tuple[float, float]:
-  """(attention_ms, decompress_ms) of one decode step's layers, on the engine's current state."""
+  """(attention_ms, decompress_ms) of one decode step's layers, on the engine's current state.
+
+  The fused systems: every layer's attention in one jit. Decompress-then-attend: layer by layer
+  (restore, then attention on its BF16 pages, both timed), so that one layer's BF16 buffer is alive
+  at a time, as in its decode step and its memory budget; all layers' buffers at once need not fit.
+  """
   backend, state, cfg, config = engine.backend, engine.state, engine.cfg, engine.model.config
   q = jax.random.normal(jax.random.key(0), (cfg.num_slots, config.q_heads, config.head_dim), jnp.bfloat16)
   views = [backend.layer_view(state, l, state.lengths, state.page_table) for l in range(cfg.num_layers)]
-  decompress = backend.attention == "decompress_then_attend"
-  if decompress:
-    restore = jax.jit(lambda vs: [restore_pages(v) for v in vs])
-    decompress_us, _ = cupti_us(restore, views)
-    restored = restore(views)
-    views = [v.replace(arena=None, group_meta=None, k_pages=k, v_pages=vp, compressed=False)
-             for v, (k, vp) in zip(views, restored)]
   kwargs = backend.attention_kwargs()
-  attend = jax.jit(lambda q, vs: [paged_decode_attention(q, v, impl=backend.attention_impl, **kwargs) for v in vs])
-  attention_us, _ = cupti_us(attend, q, views)
-  return attention_us / 1e3, (decompress_us / 1e3 if decompress else 0.0)
+  if backend.attention != "decompress_then_attend":
+    attend = jax.jit(lambda q, vs: [paged_decode_attention(q, v, impl=backend.attention_impl, **kwargs) for v in vs])
+    attention_us, _ = cupti_us(attend, q, views)
+    return attention_us / 1e3, 0.0
+  restore = jax.jit(restore_pages)
+  attend = jax.jit(lambda q, v: paged_decode_attention(q, v, impl=backend.attention_impl, **kwargs))
+  decompress_us = attention_us = 0.0
+  for view in views:
+    us, _ = cupti_us(restore, view)
+    decompress_us += us
+    k_pages, v_pages = restore(view)
+    plain = view.replace(arena=None, group_meta=None, k_pages=k_pages, v_pages=v_pages, compressed=False)
+    us, _ = cupti_us(attend, q, plain)
+    attention_us += us
+    del k_pages, v_pages, plain
+  return attention_us / 1e3, decompress_us / 1e3
 
 
 def admitted_engine(config, params, system: str, context: int, slots: int, new_tokens: int,
