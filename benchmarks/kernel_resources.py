@@ -42,6 +42,10 @@ VARIANTS = {  # name -> (cache, DecodeConfig knobs)
     "format1_v_after_qk_stages3": ("comp", {"stages": 3, "v_after_qk": True}),
     # format 2 with V^T after QK (slower than two consumers on 2026-12-06: above 128 registers?)
     "format2_v_after_qk_stages2": ("comp2", {"stages": 2, "v_after_qk": True}),
+    # raw high words loaded only for raw blocks (2 registers a fragment fewer?)
+    "format1_v_after_qk_lazy_raw_stages2": ("comp", {"stages": 2, "v_after_qk": True, "lazy_raw": True}),
+    "format2_consumers2_lazy_raw_stages4": ("comp2", {"stages": 4, "consumers": 2, "lazy_raw": True}),
+    "format2_v_after_qk_lazy_raw_stages2": ("comp2", {"stages": 2, "v_after_qk": True, "lazy_raw": True}),
 }
 REGISTERS = re.compile(r"Used (\d+) registers")
 SMEM = re.compile(r"(\d+) bytes smem|smem[^0-9\n]{0,24}(\d+)", re.IGNORECASE)
