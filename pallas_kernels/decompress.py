@@ -52,10 +52,15 @@ class DecompressConfig:
   Attributes:
     groups_per_program: consecutive groups (one page's K or V each) a program restores.
     num_warps: Triton warps per program.
+    tile_stores: write each block's 512 values as strided tiles of whole rows (K: 16 tokens x
+      2 runs of 8 dims per half; V: 8 tokens x 32 dims per half), permuted in registers,
+      instead of scattering 2-byte values by index (`_tile_index`). Bit-exact interpreted;
+      not yet run on a GPU (2026-12-06), so off.
   """
 
   groups_per_program: int = 2
   num_warps: int = 4
+  tile_stores: bool = False
 
   def __post_init__(self):
     v = self.groups_per_program
@@ -98,7 +103,7 @@ def _load_unit(payload_ref, unit, read):
   return jnp.where(read == 1, payload_ref[unit, :, :].astype(jnp.int32), 0)
 
 
-def _store_tiles(k_ref, v_ref, g, slot, head_dim, tiles):
+def _store_tiles(k_ref, v_ref, g, slot, tiles, *, head_dim):
   """Scatter the x and y tiles (int32 [64, 4] BF16 bits each) of block `slot` to K (g even) or V."""
   for half, bits in enumerate(tiles):
     bits = bits.astype(jnp.uint16)
@@ -112,12 +117,36 @@ def _store_tiles(k_ref, v_ref, g, slot, head_dim, tiles):
       v_ref[g // 2, _tile_index("v", slot, head_dim, half)] = bits
 
 
-def _restore_group(meta_ref, payload_ref, k_ref, v_ref, g, *, head_dim: int, payload_units: int, exceptions: bool):
+# A tile entry [i, j] (x half h) is position 8i + 4h + j; as [2, 8, 4, 2, 2] its axes are (c, row % 8,
+# (col % 8) // 2, row // 8, col % 2) with col % 16 = 8h + 2 ((col % 8) // 2) + col % 2 (see `_tile_index`).
+_K_ROWS = (3, 1, 0, 2, 4)  # -> [row // 8, row % 8, c, (col % 8) // 2, col % 2]: K[token = row, dims c*16 + 8h + 0..7]
+_V_ROWS = (2, 4, 0, 3, 1)  # -> [(col % 8) // 2, col % 2, c, row // 8, row % 8]: V[token = 8h + col % 8, dims 0..31]
+
+
+def _store_tile_rows(k_ref, v_ref, g, slot, tiles):
+  """`tile_stores`: the x and y tiles (int32 [64, 4] BF16 bits) of block `slot` of group g as whole
+  rows: K (g even) into k_ref uint16 [pages, 16, D / 8, 8] (16-byte runs 4 slot + 2c + h), V into
+  v_ref uint16 [pages, 16, D] (tokens 8h .. 8h + 7, dims 32 slot .. 32 slot + 31)."""
+  for half, bits in enumerate(tiles):
+    split = bits.astype(jnp.uint16).reshape(2, 8, 4, 2, 2)
+
+    @pl.when(g % 2 == 0)
+    def _k():
+      k_ref[g // 2, :, pl.ds(4 * slot + half, 2, stride=2), :] = jnp.transpose(split, _K_ROWS).reshape(16, 2, 8)
+
+    @pl.when(g % 2 == 1)
+    def _v():
+      v_ref[g // 2, pl.ds(8 * half, 8), pl.ds(32 * slot, 32)] = jnp.transpose(split, _V_ROWS).reshape(8, 32)
+
+
+def _restore_group(meta_ref, payload_ref, k_ref, v_ref, g, *, head_dim: int, payload_units: int, exceptions: bool,
+                   tile_stores: bool = False):
   """Restore group g (KV head g // (2 * P), page g // 2 % P, K if g is even else V)."""
   w0, w1 = meta_ref[g, 0], meta_ref[g, 1]
   version = (w0 >> B.VERSION_SHIFT) & 3
   known = (version == 1) | (version == 2) if exceptions else version == 1
   unit = w0 & B.OFFSET_MASK
+  store = _store_tile_rows if tile_stores else functools.partial(_store_tiles, head_dim=head_dim)
   for slot in range(layout.blocks_per_page(head_dim)):
     mb = (w1 >> (8 * slot)) & 0xFF
     compressed = (mb <= B.MAX_EXCEPTION_META).astype(jnp.int32)
@@ -141,12 +170,12 @@ def _restore_group(meta_ref, payload_ref, k_ref, v_ref, g, *, head_dim: int, pay
         pos_x = 8 * jax.lax.broadcasted_iota(jnp.int32, (64, 4), 0) + jax.lax.broadcasted_iota(jnp.int32, (64, 4), 1)
         hx = jnp.where(pos_x == p, (hx & 0x80) | exp_half, hx)
         hy = jnp.where(pos_x + 4 == p, (hy & 0x80) | exp_half, hy)
-      _store_tiles(k_ref, v_ref, g, slot, head_dim, ((hx << 8) | low_x, (hy << 8) | low_y))
+      store(k_ref, v_ref, g, slot, ((hx << 8) | low_x, (hy << 8) | low_y))
 
     @pl.when(compressed == 0)
     def _raw():
       hx, hy = _load_plane(payload_ref, at + 2, 0, inside), _load_plane(payload_ref, at + 2, 1, inside)
-      _store_tiles(k_ref, v_ref, g, slot, head_dim, ((hx << 8) | low_x, (hy << 8) | low_y))
+      store(k_ref, v_ref, g, slot, ((hx << 8) | low_x, (hy << 8) | low_y))
 
     unit = unit + block_units_int(mb)
 
@@ -189,14 +218,19 @@ def restore_pages_pallas(arena: jax.Array, group_meta: jax.Array, *, head_dim: i
   if payload_units < B.RAW_UNITS:  # a slot read as zeros loads rows 0 .. 255: keep them in bounds
     arena = jnp.pad(arena, ((0, B.RAW_UNITS - payload_units), (0, 0)))
   page_values = layout.PAGE_SIZE * head_dim
+  if config.tile_stores:  # row views of the same pages (free reshapes below)
+    out_shapes = [(kv_heads * pages, layout.PAGE_SIZE, head_dim // 8, 8), (kv_heads * pages, layout.PAGE_SIZE, head_dim)]
+  else:
+    out_shapes = [(kv_heads * pages, page_values)] * 2
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   k, v = pl.pallas_call(
       functools.partial(_restore_kernel, groups=groups, groups_per_program=config.groups_per_program,
-                        head_dim=head_dim, payload_units=payload_units, exceptions=width == 4),
+                        head_dim=head_dim, payload_units=payload_units, exceptions=width == 4,
+                        tile_stores=config.tile_stores),
       grid=(-(-groups // config.groups_per_program),),
       in_specs=[any_spec, any_spec],  # group metadata, payload rows
       out_specs=[any_spec, any_spec],  # K pages, V pages (one row per (head, page))
-      out_shape=[jax.ShapeDtypeStruct((kv_heads * pages, page_values), jnp.uint16)] * 2,
+      out_shape=[jax.ShapeDtypeStruct(shape, jnp.uint16) for shape in out_shapes],
       interpret=resolve_interpret(interpret),
       compiler_params=pltr.CompilerParams(num_warps=config.num_warps),
       name="zipfusion_restore_pages",

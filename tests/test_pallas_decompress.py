@@ -52,7 +52,8 @@ def _check_same(cache, **kwargs):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("version", [1, 2])
-def test_pallas_restore_is_bit_exact(head_dim, version):
+@pytest.mark.parametrize("tile_stores", [False, True])
+def test_pallas_restore_is_bit_exact(head_dim, version, tile_stores):
   k, v = _kv(head_dim)
   cache = zf.paged_cache_from_dense(k, v, jnp.array([83, 40], jnp.int32), compressed=True, version=version)
   meta = np.asarray(cache.group_meta)
@@ -61,7 +62,9 @@ def test_pallas_restore_is_bit_exact(head_dim, version):
   assert np.any(used == B.META_RAW) and np.any(used <= B.MAX_EXCEPTION_META)  # both kinds of block
   if version == 2:
     assert np.any((used >= B.META_EXCEPTION) & (used <= B.MAX_EXCEPTION_META))  # exceptions restored too
-  _check_same(cache)
+  _check_same(cache, config=DecompressConfig(tile_stores=tile_stores))
+  if tile_stores:
+    return
   # The public entry point, and the restored pages equal the uncompressed cache's.
   plain = zf.paged_cache_from_dense(k, v, jnp.array([83, 40], jnp.int32), compressed=False)
   for got, want in zip(zf.restore_pages(cache, impl="pallas", interpret=True), (plain.k_pages, plain.v_pages)):
@@ -129,11 +132,13 @@ H200 = AbstractMesh(
 
 
 @pytest.mark.parametrize("head_dim, width", [(64, 2), (128, 4)])
-def test_lowers_for_an_abstract_h200_to_one_triton_call(head_dim, width):
+@pytest.mark.parametrize("tile_stores", [False, True])
+def test_lowers_for_an_abstract_h200_to_one_triton_call(head_dim, width, tile_stores):
   kv_heads, pages, units = 8, 64, 3 * 2 * 64 * 8 * head_dim // 32 // 4 * 4
   arena = jax.ShapeDtypeStruct((units, 256), jnp.uint8)
   meta = jax.ShapeDtypeStruct((kv_heads, pages, 2, width), jnp.uint32)
-  f = lambda a, m: restore_pages_pallas(a, m, head_dim=head_dim, interpret=False)
+  f = lambda a, m: restore_pages_pallas(a, m, head_dim=head_dim, config=DecompressConfig(tile_stores=tile_stores),
+                                        interpret=False)
   with jax.sharding.use_abstract_mesh(H200):
     text = jax.jit(f).trace(arena, meta).lower(lowering_platforms=("cuda",)).as_text()
   calls = re.findall(r"stablehlo.custom_call @([\w$.]+)", text)
