@@ -29,7 +29,8 @@ KV statistics (`--kv-stats`): `random` runs on the random model's own KV (~95% o
 eligible); `real` first plants outlier channels in the K / V projections
 (`benchmarks/kv_outliers.py`) so the KV is at the embedded model's measured real-KV eligibility.
 
-Rows: {"model", "system", "context", "batch" (running after admission), "batch_max" (the most a timed
+A system that runs out of device memory gets a row {"model", "system", "context", "kv_budget_gib",
+"error"} and the run goes on. Rows: {"model", "system", "context", "batch" (running after admission), "batch_max" (the most a timed
 step decoded: admission may add requests as the measured compression ratio frees room), "is_max_batch", "kv_budget_gib", "decode_tokens_per_s",
 "step_ms", "step_ms_median", "compiles_in_timing", "compile_step_ms", "attention_ms", "decompress_ms",
 "eligible_fraction", "kv_statistics", "decode_knobs"}.
@@ -280,7 +281,18 @@ def main(argv=None):
       settings.append((context, batch, None, None))
     for context, slots, budget, setting in settings:
       for system in a.systems.split(","):
-        row = run_system(config, params, system, context, a.steps, a.warmup, slots, budget, knobs)
+        try:
+          row = run_system(config, params, system, context, a.steps, a.warmup, slots, budget, knobs)
+        except jax.errors.JaxRuntimeError as e:  # one system out of device memory must not end the run
+          if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+          rows.append(dict(model=config.name, system=system, context=context, kv_budget_gib=budget,
+                           budget_setting=setting, error=f"out of device memory: {str(e)[:300]}"))
+          print(f"{name:12s} {system:23s} S={context:6d} out of device memory", flush=True)
+          del e
+          gc.collect()
+          save_result(a.out, rows)
+          continue
         row["kv_statistics"] = a.kv_stats
         row["budget_setting"] = setting
         if planted is not None:

@@ -28,12 +28,17 @@ def _load(name: str) -> dict | None:
 
 
 def _budget_settings(result: dict) -> list[tuple]:
-  return sorted({(r["model"], r["context"], r["kv_budget_gib"]) for r in result["rows"] if r["kv_budget_gib"] is not None})
+  return sorted({(r["model"], r["context"], r["kv_budget_gib"]) for r in _measured(result) if r["kv_budget_gib"] is not None})
+
+
+def _measured(result: dict) -> list[dict]:
+  """Rows with figures (not a system that ran out of device memory)."""
+  return [r for r in result["rows"] if "error" not in r]
 
 
 def draw_e2e_throughput(ax, result: dict) -> None:
   """Decode tokens/s at each system's largest batch under the budget, per model and context."""
-  rows = [r for r in result["rows"] if r["kv_budget_gib"] is not None]
+  rows = [r for r in _measured(result) if r["kv_budget_gib"] is not None]
   settings = _budget_settings(result)
   width = 0.8 / len(SYSTEMS)
   for i, system in enumerate(SYSTEMS):
@@ -54,7 +59,7 @@ def draw_e2e_throughput(ax, result: dict) -> None:
 
 def draw_e2e_breakdown(ax, result: dict) -> None:
   """Step time split into attention, decompression and everything else (the unbudgeted setting)."""
-  rows = [r for r in result["rows"] if r["kv_budget_gib"] is None]
+  rows = [r for r in _measured(result) if r["kv_budget_gib"] is None]
   labels = []
   for i, r in enumerate(rows):
     rest = r["step_ms"] - r["attention_ms"] - r["decompress_ms"]

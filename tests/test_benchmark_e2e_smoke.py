@@ -1,6 +1,7 @@
 """CPU smoke tests of the end-to-end benchmark (tiny model, tiny budget): schema, largest batches, decomposition;
 and of the per-kernel step profile."""
 
+import jax
 import pytest
 
 from benchmarks import e2e
@@ -110,3 +111,21 @@ def test_whole_budget_rows_say_so(monkeypatch):
                    "--steps", "1", "--warmup", "1", "--max-slots", "40"])["rows"]
   assert [(r["budget_setting"], r["kv_budget_gib"]) for r in rows] == [("fixed", 0.001), ("whole", 0.002)]
   assert rows[1]["batch"] > rows[0]["batch"]  # twice the budget holds more sequences
+
+
+def test_a_system_out_of_device_memory_gets_an_error_row_and_the_run_goes_on(monkeypatch):
+  real = e2e.run_system
+
+  def run_system(config, params, system, *args):
+    if system == "decompress_then_attend":
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 980.56MiB")
+    return real(config, params, system, *args)
+
+  monkeypatch.setattr(e2e, "run_system", run_system)
+  rows = e2e.main(["--models", "tiny-llama3", "--contexts", "48", "--budget-gib", "0.001", "--steps", "1",
+                   "--warmup", "1", "--max-slots", "40", "--systems", "decompress_then_attend,zipfusion"])["rows"]
+  assert [r["system"] for r in rows] == ["decompress_then_attend", "zipfusion"]
+  assert "out of device memory" in rows[0]["error"] and rows[1]["decode_tokens_per_s"] > 0
+  from benchmarks import plot_results  # the plots skip the error row
+
+  assert [r["system"] for r in plot_results._measured({"rows": rows})] == ["zipfusion"]
