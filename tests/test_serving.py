@@ -388,3 +388,24 @@ def test_decode_knobs_override_the_heuristic_config_for_the_geometry():
     PagedBackend(cfg, decode_knobs=(("wrap", 1),))
   with pytest.raises(ValueError, match="multiple"):
     PagedBackend(cfg, decode_knobs=(("consumers", 2), ("stages", 3)))
+
+
+@pytest.mark.parametrize("compressed", [True, False])
+def test_warm_up_compiles_every_width_and_changes_no_output(compressed):
+  """After `warm_up()` no serving step traces, and the tokens and KV are the ones a cold engine gives."""
+  rng = np.random.default_rng(7)
+  specs = [(rng.integers(0, 1000, int(rng.integers(5, 40))), int(rng.integers(3, 25))) for _ in range(6)]
+  warm, cold = make_engine(compressed), make_engine(compressed)
+  warm.warm_up()
+  assert warm.traces["decode"] == len(warm.cfg.completion_widths)
+  for engine in (warm, cold):
+    reqs = [engine.submit(p, n) for p, n in specs]
+    engine.run()
+    engine.outputs = [r.generated for r in reqs]
+  assert warm.traces["decode"] == len(warm.cfg.completion_widths)  # nothing more was compiled
+  assert warm.outputs == cold.outputs
+  assert check_invariants(warm.backend, warm.state, warm.allocator, []) == []
+  with pytest.raises(RuntimeError, match="before serving"):
+    warm.submit([1, 2, 3], 5)
+    warm.step()
+    warm.warm_up()

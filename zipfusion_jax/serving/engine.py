@@ -115,6 +115,25 @@ def decode_plan(cfg: ServingConfig, lengths: dict[int, int], completing: list[in
   )
 
 
+def idle_decode_plan(cfg: ServingConfig, width: int) -> Plan:
+  """A decode plan of completion width `width` that does no work (no active slot, no page): it
+  compiles the step for that width (`Engine.warm_up`)."""
+  if width not in cfg.completion_widths:
+    raise ValueError(f"width {width} is not one of {cfg.completion_widths}")
+  S, L = cfg.num_slots, cfg.num_layers
+  return Plan(
+      positions=np.zeros(S, np.int32),
+      active=np.zeros(S, bool),
+      prefill_slot=np.int32(-1),
+      prefill_length=np.int32(0),
+      new_pages=np.full(S, NO_PAGE, np.int32),
+      current_chunk=np.zeros(L, np.int32),
+      grants=np.full((L, cfg.max_grants(width)), NO_PAGE, np.int32),
+      completing=np.full(width, NO_PAGE, np.int32),
+      kind="decode",
+  )
+
+
 class Engine:
   """Continuous-batching engine over one `PagedBackend` (compressed or not).
 
@@ -255,6 +274,17 @@ class Engine:
       self.allocator.commit(placement, np.zeros((self.devices, cfg.num_layers, 0), np.int32))
     self.steps += 1
     return report
+
+  def warm_up(self) -> None:
+    """Compile the decode step at every completion width now (a server's start-up), so that no
+    serving step stops to compile when a width first occurs (e.g. a request admitted late that
+    completes a page on its own). Runs one idle step per width; only on an engine with nothing
+    running (an idle step ends every slot's sequence)."""
+    if self.scheduler.running:
+      raise RuntimeError("warm_up() runs idle steps, which end running sequences: call it before serving")
+    tokens = np.zeros(self.cfg.num_slots, np.int32)
+    for width in self.cfg.completion_widths:
+      self.run_decode(idle_decode_plan(self.cfg, width), tokens)
 
   def run(self, max_steps: int = 100_000) -> list[Request]:
     """Step until every submitted request finished; returns them in finishing order."""
