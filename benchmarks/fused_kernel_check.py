@@ -11,6 +11,7 @@ paths and cuDNN at Llama-3.1-8B shapes, same run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import pathlib
@@ -154,9 +155,16 @@ def timing(shapes, splits_list, lean=False, sweep=None, on_row=lambda rows: None
                                                   consumers=kn.get("consumers", 1)).splits
       variants = [(kn.get("splits", split_default(kn)), {k: x for k, x in kn.items() if k != "splits"})
                   for kn in sweep]
+    caches = (("zipfusion_compressed", comp, comp_bytes), ("zipfusion_uncompressed", plain, bf16_bytes),
+              ("zipfusion_compressed_v2", p["comp2"], p["comp2_bytes"]))
+    for name, cache, nbytes in caches:  # what a caller gets: config=None, `heuristic_config` for that store
+      cfg = heuristic_config(batch, model.kv_heads, cache.max_pages, cache.compressed, version=cache.format_version or 1)
+      t, _ = cupti_us(jax.jit(lambda q, c: decode_attention_pallas(q, c, scale)), q, cache)
+      rows.append(dict(kernel=name, batch=batch, context=context, default_config=True, time_us=t,
+                       bytes_read=int(nbytes), **dataclasses.asdict(cfg)))
+      print(f"{name:22s} B={batch} S={context} default {cfg}  {t:8.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
+      on_row(rows)
     for splits, knobs in variants:
-      caches = (("zipfusion_compressed", comp, comp_bytes), ("zipfusion_uncompressed", plain, bf16_bytes),
-                ("zipfusion_compressed_v2", p["comp2"], p["comp2_bytes"]))
       for name, cache, nbytes in caches:
         cfg = DecodeConfig(splits=splits, **knobs)
         f = jax.jit(lambda q, c, cfg=cfg: decode_attention_pallas(q, c, scale, config=cfg))
