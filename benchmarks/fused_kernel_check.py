@@ -5,7 +5,8 @@
 Correctness: ragged lengths, GQA groups, both head dims, several split counts,
 compressed and uncompressed caches; each output against the jnp reference
 (stated tolerance) and compressed == uncompressed bit for bit. Timing: both
-paths and cuDNN at Llama-3.1-8B shapes, same run.
+paths and cuDNN at Llama-3.1-8B shapes, same run: first each store under its default config
+(`config=None`: `heuristic_config` for that store; rows with `default_config`), then the variants.
 """
 
 from __future__ import annotations
