@@ -18,7 +18,7 @@ if grep -q FAIL /tmp/defaults_check.txt; then echo "kernel check failed: stoppin
 # 1a. End to end at 8K with the new defaults (no knobs), all three systems, both models (one call each).
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 420 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --systems zipfusion,uncompressed,decompress_then_attend --steps 256 --out "$out/e2e_llama_8k_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note"
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 420 python3 -m benchmarks.e2e --models qwen3-8b --contexts 8192 --systems zipfusion,uncompressed,decompress_then_attend --steps 256 --out "$out/e2e_qwen3_8k_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note"
-# 1b'. The second budget setting: the whole H200 less the weights and an 8 GiB reserve.
+# 1d. The second budget setting: the whole H200 less the weights and an 8 GiB reserve.
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 500 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --budget-gib whole --steps 256 --out "$out/e2e_llama_8k_whole_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note"
 # 1c. The page-decompression kernel (decompress-then-attend's restore): bit-exact pages + timing, with
 # the whole-row tile stores next to it (restore_pages_pallas_tile_stores: if faster, make it the default).
