@@ -390,7 +390,7 @@ def test_decode_knobs_override_the_heuristic_config_for_the_geometry():
     PagedBackend(cfg, decode_knobs=(("consumers", 2), ("stages", 3)))
 
 
-@pytest.mark.parametrize("compressed", [True, False])
+@pytest.mark.parametrize("compressed", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_warm_up_compiles_every_width_and_changes_no_output(compressed):
   """After `warm_up()` no serving step traces, and the tokens and KV are the ones a cold engine gives."""
   rng = np.random.default_rng(7)
