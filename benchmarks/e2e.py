@@ -290,7 +290,6 @@ def main(argv=None):
           rows.append(dict(model=config.name, system=system, context=context, kv_budget_gib=budget,
                            budget_setting=setting, error=f"out of device memory: {str(e)[:300]}"))
           print(f"{name:12s} {system:23s} S={context:6d} out of device memory", flush=True)
-          del e
           gc.collect()
           save_result(a.out, rows)
           continue

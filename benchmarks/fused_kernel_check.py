@@ -6,7 +6,7 @@ Correctness: ragged lengths, GQA groups, both head dims, several split counts,
 compressed and uncompressed caches; each output against the jnp reference
 (stated tolerance) and compressed == uncompressed bit for bit. Timing: both
 paths and cuDNN at Llama-3.1-8B shapes, same run: first each store under its default config
-(`config=None`: `heuristic_config` for that store; rows with `default_config`), then the variants.
+(`decode_attention.default_config`, what `config=None` picks; rows with `default_config`), then the variants.
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ import zipfusion_jax as zf
 from benchmarks.attention import dense_attention, problem
 from benchmarks.compress import cupti_us
 from models.configs import get_config
-from pallas_kernels import decode_attention as _decode_attention_module
-from pallas_kernels.decode_attention import DecodeConfig, decode_attention_pallas, heuristic_config
-
+from pallas_kernels.decode_attention import DecodeConfig, decode_attention_pallas, default_config, heuristic_config
 
 TOL = 2e-2  # |out - reference| for O(1) outputs: bf16 P and output rounding
 
@@ -158,9 +156,9 @@ def timing(shapes, splits_list, lean=False, sweep=None, on_row=lambda rows: None
                   for kn in sweep]
     caches = (("zipfusion_compressed", comp, comp_bytes), ("zipfusion_uncompressed", plain, bf16_bytes),
               ("zipfusion_compressed_v2", p["comp2"], p["comp2_bytes"]))
-    for name, cache, nbytes in caches:  # what a caller gets: config=None, `heuristic_config` for that store
-      cfg = heuristic_config(batch, model.kv_heads, cache.max_pages, cache.compressed, version=cache.format_version or 1)
-      t, _ = cupti_us(jax.jit(lambda q, c: decode_attention_pallas(q, c, scale)), q, cache)
+    for name, cache, nbytes in caches:  # what a caller gets with config=None
+      cfg = default_config(cache)
+      t, _ = cupti_us(jax.jit(lambda q, c, cfg=cfg: decode_attention_pallas(q, c, scale, config=cfg)), q, cache)
       rows.append(dict(kernel=name, batch=batch, context=context, default_config=True, time_us=t,
                        bytes_read=int(nbytes), **dataclasses.asdict(cfg)))
       print(f"{name:22s} B={batch} S={context} default {cfg}  {t:8.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)

@@ -86,9 +86,7 @@ def main(argv=None):
 
   from benchmarks.attention import problem
   from models.configs import get_config
-  from pallas_kernels import decode_attention as decode_module
   from pallas_kernels.decode_attention import DecodeConfig, decode_attention_pallas
-
 
   prob = problem(jax.random.key(0), get_config("llama3.1-8b"), args.batch, args.context)
   rows = []

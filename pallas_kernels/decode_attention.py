@@ -164,6 +164,12 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool
   return DecodeConfig(splits=splits, stages=2, v_after_qk=compressed)
 
 
+def default_config(cache: PagedKVCache) -> DecodeConfig:
+  """The config `decode_attention_pallas` uses for `cache` when none is given."""
+  return heuristic_config(cache.batch, cache.num_kv_heads, cache.max_pages, cache.compressed,
+                          version=cache.format_version or 1)
+
+
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
             compressed, version, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages,
             timing_probe, warp_issue, consumer_registers, consumers, v_after_qk, lazy_raw, interpret):
@@ -556,7 +562,7 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
 
   Args:
     q: bfloat16 [B, Hq, D]; cache: a PagedKVCache (compressed or not).
-    scale: softmax scale. config: None picks `heuristic_config`.
+    scale: softmax scale. config: None picks `default_config(cache)` (`heuristic_config` for its store).
     interpret: None = interpret off-GPU. Interpret mode runs this kernel body on the
       CPU with static substitutions for what inline PTX does on the GPU: the jnp codec
       restores the same byte stage into BF16 SMEM tiles (`decode_interpret`; a register
@@ -565,8 +571,7 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
       time. It runs un-jitted.
   """
   if config is None:
-    config = heuristic_config(cache.batch, cache.num_kv_heads, cache.max_pages, cache.compressed,
-                              version=cache.format_version or 1)
+    config = default_config(cache)
   if _platform.resolve_interpret(interpret):
     return _decode_attention(q, cache, float(scale), config, bool(return_lse), interpret=True)
   return _decode_attention_jit(q, cache, float(scale), config, bool(return_lse))

@@ -285,3 +285,11 @@ def test_the_kernel_makes_no_pallas_cross_warp_reduction(compressed, consumers):
   names = _kernel_primitives(lambda q, c: da._decode_attention(q, c, 0.125, cfg, False), q, cache)
   assert "inline_mgpu_p" in names and "wgmma_ref" in names  # the walk reached the kernel body
   assert not names & {"reduce_max", "reduce_sum", "reduce_min"}, names & {"reduce_max", "reduce_sum", "reduce_min"}
+
+
+def test_default_config_is_the_heuristic_for_the_caches_store():
+  k, v = _kv(2, 100, 2, 128)
+  lengths = np.array([100, 37])
+  for kwargs, consumers, v_after_qk in (({"compressed": False}, 1, False), ({}, 1, True), ({"version": 2}, 2, False)):
+    cfg = da.default_config(zf.paged_cache_from_dense(k, v, lengths, **kwargs))
+    assert (cfg.consumers, cfg.v_after_qk) == (consumers, v_after_qk), kwargs

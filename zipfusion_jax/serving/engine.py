@@ -127,7 +127,7 @@ def idle_decode_plan(cfg: ServingConfig, width: int) -> Plan:
       prefill_slot=np.int32(-1),
       prefill_length=np.int32(0),
       new_pages=np.full(S, NO_PAGE, np.int32),
-      current_chunk=np.zeros(L, np.int32),
+      current_chunk=np.full(L, NO_PAGE, np.int32),  # no current chunk
       grants=np.full((L, cfg.max_grants(width)), NO_PAGE, np.int32),
       completing=np.full(width, NO_PAGE, np.int32),
       kind="decode",
