@@ -29,8 +29,8 @@ KV statistics (`--kv-stats`): `random` runs on the random model's own KV (~95% o
 eligible); `real` first plants outlier channels in the K / V projections
 (`benchmarks/kv_outliers.py`) so the KV is at the embedded model's measured real-KV eligibility.
 
-A system that runs out of device memory gets a row {"model", "system", "context", "kv_budget_gib",
-"error"} and the run goes on. Rows: {"model", "system", "context", "batch" (running after admission), "batch_max" (the most a timed
+A system that runs out of device memory gets a row with an "error" and null figures, and the
+run goes on. Rows: {"model", "system", "context", "batch" (running after admission), "batch_max" (the most a timed
 step decoded: admission may add requests as the measured compression ratio frees room), "is_max_batch", "kv_budget_gib", "decode_tokens_per_s",
 "step_ms", "step_ms_median", "compiles_in_timing", "compile_step_ms", "attention_ms", "decompress_ms",
 "eligible_fraction", "kv_statistics", "decode_knobs"}.
@@ -287,7 +287,9 @@ def main(argv=None):
         except jax.errors.JaxRuntimeError as e:  # one system out of device memory must not end the run
           if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-          rows.append(dict(model=config.name, system=system, context=context, kv_budget_gib=budget,
+          unmeasured = dict.fromkeys(("batch", "is_max_batch", "decode_tokens_per_s", "step_ms", "attention_ms",
+                                      "decompress_ms", "eligible_fraction"))  # the fields, all present
+          rows.append(dict(model=config.name, system=system, context=context, kv_budget_gib=budget, **unmeasured,
                            budget_setting=setting, error=f"out of device memory: {str(e)[:300]}"))
           print(f"{name:12s} {system:23s} S={context:6d} out of device memory", flush=True)
           gc.collect()

@@ -135,6 +135,8 @@ def test_a_system_out_of_device_memory_gets_an_error_row_and_the_run_goes_on(mon
                    "--warmup", "1", "--max-slots", "40", "--systems", "decompress_then_attend,zipfusion"])["rows"]
   assert [r["system"] for r in rows] == ["decompress_then_attend", "zipfusion"]
   assert "out of device memory" in rows[0]["error"] and rows[1]["decode_tokens_per_s"] > 0
+  assert FIELDS - {"batch_max", "compile_step_ms", "step_ms_median"} <= set(rows[0])  # the row schema
+  assert rows[0]["decode_tokens_per_s"] is None
   from benchmarks import plot_results  # the plots skip the error row
 
   assert [r["system"] for r in plot_results._measured({"rows": rows})] == ["zipfusion"]
