@@ -107,6 +107,7 @@ def test_state_stays_sharded_and_collectives_are_two_all_reduces_per_layer():
     assert hlo.count("all-reduce(") + hlo.count("all-reduce-start(") == reduces * config.layers, completing
 
 
+@pytest.mark.slow  # ~34 s (the 30-layer model at tp 3); test_tp_matches_one_device covers tp 2 / 4 in the default tier
 def test_embedded_smollm2_tp3_greedy_tokens(capsys, tmp_path):
   out = tmp_path / "tp3.json"
   rc = main(["--prompt", "The capital of France is", "--max-new-tokens", "8", "--tensor-parallel", "3",
