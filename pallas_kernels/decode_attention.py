@@ -93,7 +93,8 @@ class DecodeConfig:
     lazy_raw: load a raw block's stored high words only under a (warp-uniform) branch that raw
       blocks take, instead of loading them for every fragment and selecting: compressed blocks
       (~90-99% of them) then load 12 instead of 20 bytes per fragment and hold 2 fewer registers
-      per fragment (16 per restore). Lowers; not yet run on a GPU (2026-12-06), so off.
+      per fragment (16 per restore). Correct on the H100 (14 cases) but no faster there and
+      the same registers per ptxas (2026-12-06), so off.
     timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
       waits for and releases each stage (the producer's copy rate), "compute" = the producer
       issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
