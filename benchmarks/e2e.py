@@ -33,7 +33,8 @@ A system that runs out of device memory gets a row with an "error" and null figu
 run goes on. Rows: {"model", "system", "context", "batch" (running after admission), "batch_max" (the most a timed
 step decoded: admission may add requests as the measured compression ratio frees room), "is_max_batch", "kv_budget_gib", "decode_tokens_per_s",
 "step_ms", "step_ms_median", "compiles_in_timing", "compile_step_ms", "attention_ms", "decompress_ms",
-"eligible_fraction", "kv_statistics", "decode_knobs"}.
+"eligible_fraction", "kv_statistics", "decode_knobs", "phase_s" (wall seconds of compile, admit,
+warmup_steps, timed_steps, decomposition)}.
 `--decode-knobs` sets fused-kernel knobs over its heuristic config (`PagedBackend.decode_knobs`) for
 every system, decompress-then-attend's BF16 kernel included.
 """
@@ -107,12 +108,14 @@ def backend_for(config, system: str, slots: int, max_tokens: int, budget_bytes: 
   return PagedBackend(cfg, encoder=encoder, attention=attention, decode_knobs=decode_knobs)
 
 
-def layer_parts(engine: Engine) -> tuple[float, float]:
+def layer_parts(engine: Engine, restore_iterations: int = 5) -> tuple[float, float]:
   """(attention_ms, decompress_ms) of one decode step's layers, on the engine's current state.
 
   The fused systems: every layer's attention in one jit. Decompress-then-attend: layer by layer
   (restore, then attention on its BF16 pages, both timed), so that one layer's BF16 buffer is alive
   at a time, as in its decode step and its memory budget; all layers' buffers at once need not fit.
+  Each of its per-layer calls is the median of `restore_iterations` CUPTI runs (every call starts a
+  profiling session, and 2 x num_layers calls of 10 made this the slowest part of a run).
   """
   backend, state, cfg, config = engine.backend, engine.state, engine.cfg, engine.model.config
   q = jax.random.normal(jax.random.key(0), (cfg.num_slots, config.q_heads, config.head_dim), jnp.bfloat16)
@@ -126,30 +129,36 @@ def layer_parts(engine: Engine) -> tuple[float, float]:
   attend = jax.jit(lambda q, v: paged_decode_attention(q, v, impl=backend.attention_impl, **kwargs))
   decompress_us = attention_us = 0.0
   for view in views:
-    us, _ = cupti_us(restore, view)
+    us, _ = cupti_us(restore, view, iterations=restore_iterations)
     decompress_us += us
     k_pages, v_pages = restore(view)
     plain = view.replace(arena=None, group_meta=None, k_pages=k_pages, v_pages=v_pages, compressed=False)
-    us, _ = cupti_us(attend, q, plain)
+    us, _ = cupti_us(attend, q, plain, iterations=restore_iterations)
     attention_us += us
     del k_pages, v_pages, plain
   return attention_us / 1e3, decompress_us / 1e3
 
 
 def admitted_engine(config, params, system: str, context: int, slots: int, new_tokens: int,
-                    budget: int | None, decode_knobs: tuple = ()) -> Engine:
+                    budget: int | None, decode_knobs: tuple = (), phases: dict | None = None) -> Engine:
   """The system's engine (compiled) after offering `slots` requests of `context` random tokens
-  (`new_tokens` each) and one step: admitted until capacity (or the slots) refused, decoded once."""
+  (`new_tokens` each) and one step: admitted until capacity (or the slots) refused, decoded once.
+  `phases` (optional) receives the wall seconds of "compile" (store, warm-up of every decode
+  width, prefill) and "admit" (the requests' prefills and the first decode step)."""
+  t0 = time.perf_counter()
   backend = backend_for(config, system, slots, context + new_tokens, budget, decode_knobs=decode_knobs)
   engine = Engine(ModelDecoder(config), backend, params, max_prefills_per_step=slots)
   engine.warm_up()  # the decode step at every completion width: no timed step compiles
   warm = engine.submit([1] * (PAGE_SIZE + 1), 2)  # compiles prefill
   engine.run()
   assert warm.done
+  t1 = time.perf_counter()
   rng = np.random.default_rng(context)
   for _ in range(slots):
     engine.submit(rng.integers(0, config.vocab, context).tolist(), new_tokens)
   engine.step()
+  if phases is not None:
+    phases.update(compile=t1 - t0, admit=time.perf_counter() - t1)
   return engine
 
 
@@ -157,11 +166,15 @@ def run_system(config, params, system: str, context: int, steps: int, warmup: in
                budget_gib: float | None, decode_knobs: tuple = ()) -> dict:
   new_tokens = warmup + steps + 2  # the prefill's token and the admitting step's decode come first
   budget = None if budget_gib is None else int(budget_gib * 2**30)
-  engine = admitted_engine(config, params, system, context, slots, new_tokens, budget, decode_knobs)
+  phases = {}  # wall seconds of the run's parts: where a device call's time goes
+  engine = admitted_engine(config, params, system, context, slots, new_tokens, budget, decode_knobs, phases)
   batch = len(engine.scheduler.running)
+  t0 = time.perf_counter()
   for _ in range(warmup):
     engine.step()
+  phases["warmup_steps"] = time.perf_counter() - t0
   steady, compile_steps = [], []  # (seconds, sequences decoded) per timed step
+  t_timed = time.perf_counter()
   for _ in range(steps):
     compiled = sum(engine.traces.values())
     t0 = time.perf_counter()
@@ -171,6 +184,7 @@ def run_system(config, params, system: str, context: int, steps: int, warmup: in
     # admitted later completes a page on its own) is a one-time compile, not serving speed: it is
     # reported on its own and left out of the steady-state figures.
     (compile_steps if sum(engine.traces.values()) > compiled else steady).append((dt, report.decoded))
+  phases["timed_steps"] = time.perf_counter() - t_timed
   compiles_in_timing = len(compile_steps)
   if compiles_in_timing:
     print(f"note: {system}: {compiles_in_timing} timed step(s) compiled "
@@ -179,7 +193,9 @@ def run_system(config, params, system: str, context: int, steps: int, warmup: in
   times = [t for t, _ in timed]
   step_s = statistics.mean(times)
   tokens_per_s = sum(n for _, n in timed) / sum(times)  # sequences decoded, should admission add some
+  t0 = time.perf_counter()
   attention_ms, decompress_ms = layer_parts(engine)
+  phases["decomposition"] = time.perf_counter() - t0
   compressed = SYSTEMS[system][0]
   row = dict(
       model=config.name, system=system, context=context, batch=batch,
@@ -191,7 +207,7 @@ def run_system(config, params, system: str, context: int, steps: int, warmup: in
       kv_store_bytes=engine.cfg.store_bytes + engine.cfg.metadata_bytes,
       decompress_buffer_bytes=engine.backend.decompress_buffer_bytes, weights="random",
       compiles_in_timing=compiles_in_timing, compile_step_ms=[1e3 * t for t, _ in compile_steps],
-      decode_knobs=dict(decode_knobs))
+      decode_knobs=dict(decode_knobs), phase_s={k: round(v, 2) for k, v in phases.items()})
   # The engine and its jitted steps form a reference cycle: collect it now, or the next system's
   # store is allocated while this one's (the whole budget) is still alive.
   del engine
@@ -302,7 +318,8 @@ def main(argv=None):
         rows.append(row)
         print(f"{name:12s} {system:23s} S={context:6d} B={row['batch']:4d}{'*' if row['is_max_batch'] else ' '} "
               f"{row['decode_tokens_per_s']:9.1f} tok/s  step {row['step_ms']:8.2f} ms  attention "
-              f"{row['attention_ms']:8.2f} ms  decompress {row['decompress_ms']:8.2f} ms", flush=True)
+              f"{row['attention_ms']:8.2f} ms  decompress {row['decompress_ms']:8.2f} ms  (wall s: "
+              + " ".join(f"{k} {v:.0f}" for k, v in row["phase_s"].items()) + ")", flush=True)
         save_result(a.out, rows)  # after every row: a later failure keeps what was measured
   return save_result(a.out, rows)
 

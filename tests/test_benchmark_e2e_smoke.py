@@ -20,6 +20,8 @@ def test_e2e_rows(tmp_path):
   for r in rows.values():
     assert FIELDS <= set(r) and r["decode_tokens_per_s"] > 0 and r["attention_ms"] > 0
     assert r["compiles_in_timing"] == 0  # Engine.warm_up compiled every completion width first
+    assert set(r["phase_s"]) == {"compile", "admit", "warmup_steps", "timed_steps", "decomposition"}
+    assert all(t >= 0 for t in r["phase_s"].values()) and r["phase_s"]["compile"] > 0
   z, u, d = (rows[(s, 0.001)] for s in ("zipfusion", "uncompressed", "decompress_then_attend"))
   assert z["is_max_batch"] and u["is_max_batch"] and d["is_max_batch"]  # admission, not the 40 slots, stopped them
   assert z["batch"] > u["batch"] > d["batch"] >= 1  # 12-bit pages hold more; the BF16 buffer costs the baseline
