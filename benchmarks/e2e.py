@@ -2,7 +2,7 @@
 
   python -m benchmarks.e2e [--models llama3.1-8b,qwen3-8b] [--contexts 2048,8192,32768]
       [--budget-gib 48[,whole] [--reserve-gib 8]] [--steps 256] [--warmup 8] [--max-slots 512] [--decomposition [--decomposition-shape 32x2048]]
-      [--kv-stats random|real] [--decode-knobs '{"consumers": 2, "stages": 4}'] [--out benchmarks/results/e2e_h200.json]
+      [--batch-curve 4x8] [--kv-stats random|real] [--decode-knobs '{"consumers": 2, "stages": 4}'] [--out benchmarks/results/e2e_h200.json]
 
 Three systems, all this project's serving engine with random BF16 weights at the model's shapes:
 `zipfusion` (12-bit store, fused kernel), `uncompressed` (BF16 store, the same kernel on BF16
@@ -33,8 +33,9 @@ A system that runs out of device memory gets a row with an "error" and null figu
 run goes on. Rows: {"model", "system", "context", "batch" (running after admission), "batch_max" (the most a timed
 step decoded: admission may add requests as the measured compression ratio frees room), "is_max_batch", "kv_budget_gib", "decode_tokens_per_s",
 "step_ms", "step_ms_median", "compiles_in_timing", "compile_step_ms", "attention_ms", "decompress_ms",
-"eligible_fraction", "kv_statistics", "decode_knobs", "phase_s" (wall seconds of compile, admit,
-warmup_steps, timed_steps, decomposition)}.
+"eligible_fraction", "kv_statistics", "decode_knobs", "batch_curve" (tokens/s at 3/4, 1/2, 1/4 of
+the largest batch by default: `--batch-curve`), "phase_s" (wall seconds of compile, admit,
+warmup_steps, timed_steps, decomposition, batch_curve)}.
 `--decode-knobs` sets fused-kernel knobs over its heuristic config (`PagedBackend.decode_knobs`) for
 every system, decompress-then-attend's BF16 kernel included.
 """
@@ -162,9 +163,40 @@ def admitted_engine(config, params, system: str, context: int, slots: int, new_t
   return engine
 
 
+def batch_curve(engine: Engine, levels: int, steps_per_level: int) -> list[dict]:
+  """Decode speed as the batch shrinks, on the running engine (no new compile: every completion
+  width is compiled): the queue is cancelled so nothing more is admitted, then for each level
+  k = levels - 1 .. 1 the running batch is cut to k / levels of its size (the highest slots
+  cancelled) and `steps_per_level` steps are timed. Returns [{"batch", "decode_tokens_per_s",
+  "step_ms_median"}] from the largest batch down."""
+  sched = engine.scheduler
+  for req in list(sched.waiting):
+    engine.cancel(req)
+  start = len(sched.running)
+  points = []
+  for k in range(levels - 1, 0, -1):
+    keep = max(1, round(start * k / levels))
+    for req in sorted(sched.running.values(), key=lambda r: r.slot)[keep:]:
+      engine.cancel(req)
+    timed = []
+    for _ in range(steps_per_level):
+      t0 = time.perf_counter()
+      report = engine.step()
+      timed.append((time.perf_counter() - t0, report.decoded))
+    points.append(dict(batch=keep, decode_tokens_per_s=sum(n for _, n in timed) / sum(t for t, _ in timed),
+                       step_ms_median=1e3 * statistics.median(t for t, _ in timed)))
+  return points
+
+
 def run_system(config, params, system: str, context: int, steps: int, warmup: int, slots: int,
-               budget_gib: float | None, decode_knobs: tuple = ()) -> dict:
-  new_tokens = warmup + steps + 2  # the prefill's token and the admitting step's decode come first
+               budget_gib: float | None, decode_knobs: tuple = (), curve: tuple[int, int] = (4, 8)) -> dict:
+  """One system at one setting: admission, warm-up, `steps` timed steps at the largest batch, the
+  decomposition, then `batch_curve(*curve)` (levels, steps per level; levels 0: none)."""
+  levels, steps_per_level = curve
+  curve_steps = (levels - 1) * steps_per_level if levels > 1 else 0
+  # The prefill's token and the admitting step's decode come first; the curve's steps come last
+  # (their tokens are reserved at admission like the rest: 24 more per request by default).
+  new_tokens = warmup + steps + 2 + curve_steps
   budget = None if budget_gib is None else int(budget_gib * 2**30)
   phases = {}  # wall seconds of the run's parts: where a device call's time goes
   engine = admitted_engine(config, params, system, context, slots, new_tokens, budget, decode_knobs, phases)
@@ -207,7 +239,11 @@ def run_system(config, params, system: str, context: int, steps: int, warmup: in
       kv_store_bytes=engine.cfg.store_bytes + engine.cfg.metadata_bytes,
       decompress_buffer_bytes=engine.backend.decompress_buffer_bytes, weights="random",
       compiles_in_timing=compiles_in_timing, compile_step_ms=[1e3 * t for t, _ in compile_steps],
-      decode_knobs=dict(decode_knobs), phase_s={k: round(v, 2) for k, v in phases.items()})
+      decode_knobs=dict(decode_knobs))
+  t0 = time.perf_counter()  # last: it cancels requests (the row's queue and store figures come first)
+  row["batch_curve"] = batch_curve(engine, levels, steps_per_level) if curve_steps else []
+  phases["batch_curve"] = time.perf_counter() - t0
+  row["phase_s"] = {k: round(v, 2) for k, v in phases.items()}
   # The engine and its jitted steps form a reference cycle: collect it now, or the next system's
   # store is allocated while this one's (the whole budget) is still alive.
   del engine
@@ -249,6 +285,19 @@ def parse_budgets(text: str) -> list[float | str | None]:
   return budgets
 
 
+def parse_batch_curve(text: str) -> tuple[int, int]:
+  """`--batch-curve`: "LEVELSxSTEPS" (e.g. "4x8"), or "0" for none."""
+  if text.strip() == "0":
+    return (0, 0)
+  try:
+    levels, steps = (int(x) for x in text.lower().split("x"))
+  except ValueError:
+    raise ValueError(f"--batch-curve {text!r}: LEVELSxSTEPS, e.g. 4x8, or 0") from None
+  if levels < 2 or steps < 1:
+    raise ValueError(f"--batch-curve {text!r}: at least 2 levels and 1 step per level")
+  return levels, steps
+
+
 def offered_slots(context: int, max_slots: int) -> int:
   """Requests offered at `context`: `max_slots`, capped so that the unbudgeted starting config
   (every slot at full length) stays inside the format's 30-bit unit offsets (~1.5M tokens)."""
@@ -268,6 +317,9 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=256)
   p.add_argument("--warmup", type=int, default=2 * PAGE_SIZE,
                  help="untimed steps first: two page cycles, so every completion width a step needs is compiled")
+  p.add_argument("--batch-curve", default="4x8",
+                 help="LEVELSxSTEPS: after the timed steps, tokens/s at (LEVELS-1)/LEVELS .. 1/LEVELS of the "
+                      "largest batch, STEPS steps each (requests cancelled, no new compile); 0 for none")
   p.add_argument("--max-slots", type=int, default=512, help="requests offered (an upper bound on the batch)")
   p.add_argument("--decomposition", action="store_true", help="also the decomposition setting, no budget limit")
   p.add_argument("--decomposition-shape", default="32x2048", help="batch x prompt tokens of --decomposition")
@@ -279,6 +331,7 @@ def main(argv=None):
   p.add_argument("--out", type=pathlib.Path, default=None)
   a = p.parse_args(argv)
   knobs = tuple(sorted(a.decode_knobs.items()))
+  curve = parse_batch_curve(a.batch_curve)
   rows = []
   for name in a.models.split(","):
     config = get_config(name)
@@ -299,7 +352,7 @@ def main(argv=None):
     for context, slots, budget, setting in settings:
       for system in a.systems.split(","):
         try:
-          row = run_system(config, params, system, context, a.steps, a.warmup, slots, budget, knobs)
+          row = run_system(config, params, system, context, a.steps, a.warmup, slots, budget, knobs, curve)
         except jax.errors.JaxRuntimeError as e:  # one system out of device memory must not end the run
           if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -319,7 +372,7 @@ def main(argv=None):
         print(f"{name:12s} {system:23s} S={context:6d} B={row['batch']:4d}{'*' if row['is_max_batch'] else ' '} "
               f"{row['decode_tokens_per_s']:9.1f} tok/s  step {row['step_ms']:8.2f} ms  attention "
               f"{row['attention_ms']:8.2f} ms  decompress {row['decompress_ms']:8.2f} ms  (wall s: "
-              + " ".join(f"{k} {v:.0f}" for k, v in row["phase_s"].items()) + ")", flush=True)
+              + " ".join(f"{k} {v:.0f}" for k, v in row.get("phase_s", {}).items()) + ")", flush=True)
         save_result(a.out, rows)  # after every row: a later failure keeps what was measured
   return save_result(a.out, rows)
 

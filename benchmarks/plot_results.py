@@ -1,7 +1,9 @@
 """Plots of the H200 results for RESULTS.md (PNGs next to it), read from benchmarks/results/*.json.
 
-  python -m benchmarks.plot_results   # writes benchmarks/e2e_throughput.png, e2e_breakdown.png,
-                                      # attention_speedup.png (only for the JSON files present)
+  python -m benchmarks.plot_results [--e2e results/a.json,results/b.json]
+      # writes benchmarks/e2e_throughput.png, e2e_batch_curves.png, e2e_breakdown.png,
+      # attention_speedup.png (only for the results present); --e2e merges the rows of several
+      # e2e runs of one device (default: results/e2e_h200.json)
 
 The `draw_*` functions draw one figure's content on a given axes; the notebooks use them too.
 """
@@ -23,7 +25,8 @@ KERNELS = ("zipfusion_compressed", "zipfusion_uncompressed", "pallas_paged", "de
 
 
 def _load(name: str) -> dict | None:
-  path = RESULTS / name
+  """A results JSON by name under results/, or by path; None when absent."""
+  path = RESULTS / name if (RESULTS / name).exists() else pathlib.Path(name)
   return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -55,6 +58,39 @@ def draw_e2e_throughput(ax, result: dict) -> None:
   ax.set_ylabel("decode tokens/s")
   ax.set_title(f"Largest batch under one KV budget\n({result['device']}, {result['date']})", fontsize=9)
   ax.legend(fontsize=7)
+
+
+def draw_e2e_batch_curve(ax, result: dict, setting: tuple) -> None:
+  """Decode tokens/s against batch for each system at one (model, context, budget) setting: the
+  `batch_curve` points and the largest batch (a star), from one run per system."""
+  model, context, budget = setting
+  for system in SYSTEMS:
+    r = next((r for r in _measured(result) if (r["model"], r["context"], r["kv_budget_gib"], r["system"])
+              == (model, context, budget, system)), None)
+    if r is None:
+      continue
+    points = sorted([(p["batch"], p["decode_tokens_per_s"]) for p in r.get("batch_curve", [])]
+                    + [(r["batch"], r["decode_tokens_per_s"])])
+    ax.plot([b for b, _ in points], [t for _, t in points], marker="o", ms=3, color=COLORS[system], label=system)
+    ax.plot([r["batch"]], [r["decode_tokens_per_s"]], marker="*", ms=11, color=COLORS[system])
+  ax.set_xlabel("batch (sequences decoding)")
+  ax.set_ylabel("decode tokens/s")
+  ax.set_title(f"{model}, {context // 1024}K, {budget:g} GiB of KV (star: largest batch)", fontsize=8)
+  ax.legend(fontsize=7)
+
+
+def curve_settings(result: dict) -> list[tuple]:
+  """The budget settings whose rows carry a batch curve."""
+  return [k for k in _budget_settings(result)
+          if any(r.get("batch_curve") for r in _measured(result) if (r["model"], r["context"], r["kv_budget_gib"]) == k)]
+
+
+def merge_e2e(results: list[dict]) -> dict:
+  """One result from several e2e runs of one device (their rows in order; the newest date)."""
+  devices = {r["device"] for r in results}
+  if len(devices) != 1:
+    raise ValueError(f"e2e results from different devices cannot share a plot: {sorted(devices)}")
+  return dict(results[0], date=max(r["date"] for r in results), rows=[row for r in results for row in r["rows"]])
 
 
 def draw_e2e_breakdown(ax, result: dict) -> None:
@@ -99,10 +135,31 @@ def save(draw, result: dict, out: pathlib.Path, figsize: tuple[float, float]) ->
   plt.close(fig)
 
 
-def main() -> None:
+def save_batch_curves(result: dict, out: pathlib.Path) -> None:
+  settings = curve_settings(result)
+  fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 3.4), squeeze=False)
+  for ax, setting in zip(axes[0], settings):
+    draw_e2e_batch_curve(ax, result, setting)
+  fig.suptitle(f"Decode throughput against batch ({result['device']}, {result['date']})", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+  plt.close(fig)
+
+
+def main(argv=None) -> None:
+  import argparse
+
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--e2e", default="e2e_h200.json", help="comma-separated e2e result files (under results/ or paths)")
+  a = p.parse_args(argv)
   matplotlib.use("Agg")  # files only (here, not at import: the notebooks draw inline with these functions)
-  if (e2e := _load("e2e_h200.json")) is not None:
+  found = [_load(name) for name in a.e2e.split(",") if name]
+  found = [r for r in found if r is not None]
+  if found:
+    e2e = merge_e2e(found)
     save(draw_e2e_throughput, e2e, HERE / "e2e_throughput.png", (1.8 + 2.2 * len(_budget_settings(e2e)), 3.6))
+    if curve_settings(e2e):
+      save_batch_curves(e2e, HERE / "e2e_batch_curves.png")
     if any(r["kv_budget_gib"] is None for r in e2e["rows"]):
       save(draw_e2e_breakdown, e2e, HERE / "e2e_breakdown.png", (5.5, 3.4))
   if (att := _load("attention_h200.json")) is not None:

@@ -20,13 +20,48 @@ def test_e2e_rows(tmp_path):
   for r in rows.values():
     assert FIELDS <= set(r) and r["decode_tokens_per_s"] > 0 and r["attention_ms"] > 0
     assert r["compiles_in_timing"] == 0  # Engine.warm_up compiled every completion width first
-    assert set(r["phase_s"]) == {"compile", "admit", "warmup_steps", "timed_steps", "decomposition"}
+    assert set(r["phase_s"]) == {"compile", "admit", "warmup_steps", "timed_steps", "decomposition", "batch_curve"}
+    curve = r["batch_curve"]  # 3/4, 1/2, 1/4 of the largest batch
+    assert [p["batch"] for p in curve] == [max(1, round(r["batch"] * k / 4)) for k in (3, 2, 1)]
+    assert all(p["decode_tokens_per_s"] > 0 for p in curve)
     assert all(t >= 0 for t in r["phase_s"].values()) and r["phase_s"]["compile"] > 0
   z, u, d = (rows[(s, 0.001)] for s in ("zipfusion", "uncompressed", "decompress_then_attend"))
   assert z["is_max_batch"] and u["is_max_batch"] and d["is_max_batch"]  # admission, not the 40 slots, stopped them
   assert z["batch"] > u["batch"] > d["batch"] >= 1  # 12-bit pages hold more; the BF16 buffer costs the baseline
   assert z["decompress_ms"] == 0 and d["decompress_ms"] > 0 and d["decompress_buffer_bytes"] > 0
   assert 0 < z["eligible_fraction"] <= 1 and u["eligible_fraction"] is None
+  _check_batch_curve_plot(result, tmp_path)
+
+
+def _check_batch_curve_plot(result, tmp_path):
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from benchmarks import plot_results
+
+  (setting,) = plot_results.curve_settings(result)
+  fig, ax = plt.subplots()
+  plot_results.draw_e2e_batch_curve(ax, result, setting)
+  curves = [line for line in ax.get_lines() if len(line.get_xdata()) > 1]  # the stars are single points
+  assert [line.get_label() for line in curves] == ["zipfusion", "uncompressed", "decompress_then_attend"]
+  for line, system in zip(curves, ("zipfusion", "uncompressed", "decompress_then_attend")):
+    row = next(r for r in result["rows"] if r["system"] == system)
+    assert len(line.get_xdata()) == 4 and max(line.get_xdata()) == row["batch"]  # 3 curve points + the largest
+  plt.close(fig)
+  plot_results.save_batch_curves(result, tmp_path / "curves.png")
+  assert (tmp_path / "curves.png").stat().st_size > 0
+  with pytest.raises(ValueError, match="different devices"):
+    plot_results.merge_e2e([result, dict(result, device="another")])
+  assert len(plot_results.merge_e2e([result, result])["rows"]) == 2 * len(result["rows"])
+
+
+def test_batch_curve_option_is_parsed_and_checked():
+  assert e2e.parse_batch_curve("4x8") == (4, 8) and e2e.parse_batch_curve("0") == (0, 0)
+  for bad in ("4", "1x8", "4x0", "ax8"):
+    with pytest.raises(ValueError, match="--batch-curve"):
+      e2e.parse_batch_curve(bad)
 
 
 def test_e2e_decomposition_setting_is_not_budget_limited():
@@ -113,7 +148,7 @@ def test_whole_budget_rows_say_so(monkeypatch):
   monkeypatch.setattr(e2e, "whole_device_budget_gib", lambda reserve: 0.002)
   seen = []
 
-  def run_system(config, params, system, context, steps, warmup, slots, budget_gib, knobs):
+  def run_system(config, params, system, context, steps, warmup, slots, budget_gib, knobs, curve):
     seen.append(budget_gib)
     return dict(batch=1, is_max_batch=True, kv_budget_gib=budget_gib, decode_tokens_per_s=1.0, step_ms=1.0,
                 attention_ms=0.5, decompress_ms=0.0)

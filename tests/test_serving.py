@@ -17,7 +17,7 @@ from zipfusion_jax.serving.allocator import AllocationRefused, ChunkAllocator
 from zipfusion_jax.serving.backend import PagedBackend
 from zipfusion_jax.serving.engine import Engine, decode_plan, prefill_plan
 from zipfusion_jax.serving.invariants import _dense_kv
-from zipfusion_jax.serving.scheduler import RequestTooLarge
+from zipfusion_jax.serving.scheduler import RequestTooLarge, Status
 from zipfusion_jax.serving.standin import StandInDecoder
 from zipfusion_jax.serving.state import PlanError, ServingConfig, check_plan
 
@@ -318,6 +318,40 @@ def test_a_stop_token_ends_a_request_early_and_frees_its_pages():
   cap = engine.allocator.capacity()
   assert cap.live_bytes == 0  # everything finished: no page is still held
   assert check_invariants(engine.backend, engine.state, engine.allocator, []) == []
+
+
+def test_cancelled_requests_free_their_pages_and_leave_the_others_unchanged():
+  specs = [([5, 6, 7], 40), ([8, 9], 30), ([1, 2, 3, 4], 35), ([11] * 20, 25), ([3], 20), ([4, 4], 30)]
+  alone = make_engine()
+  reference = [alone.submit(p, n) for p, n in specs]
+  alone.run()
+  engine = make_engine()
+  reqs = [engine.submit(p, n) for p, n in specs]
+  for _ in range(20):
+    engine.step()
+  running = next(r for r in reqs if r.status is Status.RUNNING and len(r.generated) > 2)
+  waiting = next(r for r in reqs if r.status is Status.WAITING)  # TINY holds 4 slots for 6 requests
+  held = len(running.pages)
+  live = engine.allocator.capacity().live_bytes
+  kept = list(running.generated)
+  engine.cancel(running)
+  engine.cancel(waiting)
+  assert running.status is waiting.status is Status.CANCELLED and running.generated == kept
+  assert held > 0 and engine.allocator.capacity().live_bytes < live  # its pages went back at once
+  shadow = shadow_for(engine)
+  assert check_invariants(engine.backend, engine.state, engine.allocator, list(engine.scheduler.running.values()),
+                          shadow) == []
+  for bad in (running, waiting):
+    with pytest.raises(ValueError, match="only waiting or running"):
+      engine.cancel(bad)
+  engine.run()
+  for r, ref in zip(reqs, reference):
+    if r not in (running, waiting):
+      assert r.status is Status.FINISHED and r.generated == ref.generated  # the others: same tokens
+  assert engine.scheduler.cancelled == [running, waiting] and engine.idle
+  assert engine.allocator.capacity().live_bytes == 0
+  with pytest.raises(ValueError, match="finished"):
+    engine.cancel(reqs[0] if reqs[0] not in (running, waiting) else reqs[-1])
 
 
 def test_decompress_then_attend_backend_matches_fused_bit_for_bit():

@@ -213,6 +213,11 @@ class Engine:
     """Queue a request (raises `RequestTooLarge` when it can never fit); `stop_ids` end it early."""
     return self.scheduler.submit(prompt, max_new_tokens, priority, stop_ids)
 
+  def cancel(self, req: Request) -> None:
+    """Withdraw a waiting or running request between steps (its pages freed, its tokens so far
+    kept); the other requests go on unchanged. Raises ValueError for a request that already ended."""
+    self.scheduler.cancel(req)
+
   @property
   def idle(self) -> bool:
     return not self.scheduler.waiting and not self.scheduler.running

@@ -36,6 +36,7 @@ class Status(enum.Enum):
   WAITING = "waiting"
   RUNNING = "running"
   FINISHED = "finished"
+  CANCELLED = "cancelled"
 
 
 @dataclasses.dataclass(eq=False)
@@ -116,6 +117,7 @@ class Scheduler:
     self.waiting: list[Request] = []
     self.running: dict[int, Request] = {}
     self.finished: list[Request] = []
+    self.cancelled: list[Request] = []
     self._ids = itertools.count()
 
   # --- submission ---------------------------------------------------------------------
@@ -197,6 +199,19 @@ class Scheduler:
       victim = max(self.running.values(), key=lambda r: r.key)  # the last one too: see the module docstring
       self.preempt(victim)
       preempted.append(victim)
+
+  def cancel(self, req: Request) -> None:
+    """Withdraw a waiting or running request between steps: it leaves the queue or its slot, its
+    pages (and reservation) are freed, and it keeps the tokens generated so far. Cancelling a
+    request that already ended, or one of another scheduler, raises ValueError."""
+    if req.status is Status.WAITING and any(r is req for r in self.waiting):
+      self.waiting.remove(req)
+    elif req.status is Status.RUNNING and self.running.get(req.slot) is req:
+      self._vacate(req)
+    else:
+      raise ValueError(f"request {req.rid} is {req.status.value} here: only waiting or running requests can be cancelled")
+    req.status = Status.CANCELLED
+    self.cancelled.append(req)
 
   def preempt(self, req: Request) -> None:
     """Free a running request's KV and requeue it (its generated tokens are kept)."""
