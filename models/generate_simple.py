@@ -19,6 +19,7 @@ from models.configs import ModelConfig
 from models.decoder import decode_jit, prefill_jit
 from models.dense_backend import DenseKVBackend, decode_plan, prefill_plan
 from models.params import DecoderParams
+from models.sampling import Sampling
 
 _MIN_BUCKET = 16
 
@@ -59,12 +60,11 @@ def prefill_bucket(prompt_len: int, max_len: int) -> int:
   return min(max(_MIN_BUCKET, 1 << (prompt_len - 1).bit_length()), max_len)
 
 
-@functools.partial(jax.jit, static_argnames=("temperature",))
-def _pick(logits: jax.Array, key: jax.Array, temperature: float) -> jax.Array:
-  """logits float32 [..., V] -> int32 [...]: argmax, or a sample of softmax(logits / temperature)."""
-  if temperature == 0.0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+@functools.partial(jax.jit, static_argnames=("sampling",))
+def _pick(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+  """logits float32 [..., V] -> int32 [...]: argmax, or a sample (`Sampling`), one key per row."""
+  rows = jnp.atleast_2d(logits)
+  return sampling.pick(rows, jax.random.split(key, rows.shape[0])).reshape(logits.shape[:-1])
 
 
 def generate(
@@ -75,6 +75,8 @@ def generate(
     *,
     eos_ids: Sequence[int] = (),
     temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
     seed: int = 0,
     on_token: Callable[[int, int], None] | None = None,
 ) -> Generation:
@@ -83,11 +85,14 @@ def generate(
   Args:
     prompts: token ids per prompt (each non-empty, fitting the context with the new tokens).
     eos_ids: ids that end a prompt's generation (kept as its last token).
-    temperature: 0 for greedy, else the sampling temperature; seed: its PRNG seed.
+    temperature: 0 for greedy, else the sampling temperature; top_k / top_p: sample within the
+      k most likely tokens (0: all) / the fewest whose probability reaches top_p (1: all);
+      seed: the PRNG seed.
     on_token: called as on_token(prompt_index, token_id) for every generated token, in order.
   """
   if max_new_tokens < 0:
     raise ValueError(f"{max_new_tokens=} must be >= 0")
+  sampling = Sampling(temperature, top_k, top_p)
   for p in prompts:
     check_fits(config, len(p), max_new_tokens)
   slots = len(prompts)
@@ -114,7 +119,7 @@ def generate(
     plan = prefill_plan(slots, slot, len(prompt))
     logits, state = prefill_jit(params, config, tokens, jnp.int32(len(prompt)), state, plan, backend)
     key, sub = jax.random.split(key)
-    take(slot, int(_pick(logits, sub, temperature)))
+    take(slot, int(_pick(logits, sub, sampling)))
   prefill_s = time.perf_counter() - start
 
   start, steps = time.perf_counter(), 0
@@ -125,7 +130,7 @@ def generate(
     plan = decode_plan([p if a else 0 for p, a in zip(positions, active)], active)
     logits, state = decode_jit(params, config, jnp.asarray(feed, jnp.int32), state, plan, backend)
     key, sub = jax.random.split(key)
-    picked = [int(t) for t in _pick(logits, sub, temperature)]
+    picked = [int(t) for t in _pick(logits, sub, sampling)]
     steps += 1
     for slot in range(slots):
       if active[slot]:

@@ -2,7 +2,7 @@
 
     [--max-new-tokens N] [--kv compressed|uncompressed] [--kv-memory-mib M] [--max-batch N]
     [--model NAME | --gguf PATH | --safetensors DIR] [--random-weights] [--chat]
-    [--temperature T] [--seed S] [--json OUT]
+    [--temperature T [--top-k K] [--top-p P]] [--seed S] [--json OUT]
 
 Defaults: the embedded SmolLM2-135M-Instruct, compressed KV, greedy. The prompts run as one
 continuously batched workload through the serving engine (`zipfusion_jax/serving`: paged KV,
@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--random-weights", action="store_true", help="with --model: random weights, byte tokenizer")
   p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  p.add_argument("--top-k", type=int, default=0, help="with --temperature: sample among the k most likely tokens (0: all)")
+  p.add_argument("--top-p", type=float, default=1.0,
+                 help="with --temperature: sample among the fewest tokens whose probability reaches P (1: all)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", default=None, metavar="OUT", help="write results and stats as JSON")
   p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
@@ -55,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.error("--max-batch must be >= 1")
   if args.temperature < 0:
     p.error("--temperature must be >= 0")
+  if args.top_k < 0:
+    p.error("--top-k must be >= 0")
+  if not 0 < args.top_p <= 1:
+    p.error("--top-p must be in (0, 1]")
   if args.random_weights and (args.gguf or args.safetensors):
     p.error("--random-weights goes with --model")
   return args
@@ -178,7 +185,7 @@ def run(args: argparse.Namespace, out=None, err=None) -> dict:
   cfg = serving_config(model.config, [len(p) for p in prompt_ids], args.max_new_tokens, args.max_batch, compressed,
                        args.kv_memory_mib, format_version=args.format_version)
   on_gpu = jax.default_backend() == "gpu"
-  engine = Engine(ModelDecoder(model.config, args.temperature, args.seed),
+  engine = Engine(ModelDecoder(model.config, args.temperature, args.seed, args.top_k, args.top_p),
                   PagedBackend(cfg, encoder="pallas" if on_gpu else "reference"), model.params, tensor_parallel=tp)
   stream = len(args.prompt) == 1
   t0 = time.perf_counter()
