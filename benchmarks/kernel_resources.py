@@ -46,6 +46,10 @@ VARIANTS = {  # name -> (cache, DecodeConfig knobs)
     "format1_v_after_qk_lazy_raw_stages2": ("comp", {"stages": 2, "v_after_qk": True, "lazy_raw": True}),
     "format2_consumers2_lazy_raw_stages4": ("comp2", {"stages": 4, "consumers": 2, "lazy_raw": True}),
     "format2_v_after_qk_lazy_raw_stages2": ("comp2", {"stages": 2, "v_after_qk": True, "lazy_raw": True}),
+    # ptxas capped at 128 (PTX .maxnreg, register_cap_mgpu): does the cap take, and what does it spill?
+    "format2_v_after_qk_stages2_maxnreg128": ("comp2", {"stages": 2, "v_after_qk": True, "max_registers": 128}),
+    "format1_stages3_maxnreg128": ("comp", {"stages": 3, "max_registers": 128}),
+    "format2_stages3_maxnreg128": ("comp2", {"stages": 3, "max_registers": 128}),
 }
 REGISTERS = re.compile(r"Used (\d+) registers")
 SMEM = re.compile(r"(\d+) bytes smem|smem[^0-9\n]{0,24}(\d+)", re.IGNORECASE)

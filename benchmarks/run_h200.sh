@@ -13,6 +13,11 @@ mkdir -p "$out"
 # wants the H200: the whole-H200 budget cannot fit an 80 GB card, so call 1a with needs_h200=true,
 # then the 48 GiB runs at once (needs_h200=false keeps the warm H200; it is released 30 s after a
 # call). One model per call: a three-system run takes ~300 s (rows print their phases' wall seconds).
+# 0. (first, ~4 min) The register cap (DecodeConfig.max_registers: PTX .maxnreg, never run on a GPU):
+# does ptxas honour it (registers <= 128, spills?), is the capped kernel correct, and is format 2 at
+# one consumer with v_after_qk then faster with 2 CTAs/SM (issue 10)? Stop on FAIL; the rest goes on.
+timeout -s KILL 120 python3 -m benchmarks.kernel_resources --out "$out/kernel_resources_h200.json" 2>&1 | grep --line-buffered -E "maxnreg|v_after|Error|error"
+timeout -s KILL 300 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":2,"v_after_qk":true,"max_registers":128},{"stages":3,"max_registers":128}]' --out "$out/fused_kernel_maxnreg_h200.json" 2>&1 | grep --line-buffered -E "PASS|FAIL|cudnn|zipfusion_compressed"
 # 1a. The whole H200 less the weights and an 8 GiB reserve, all three systems.
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 560 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --budget-gib whole --steps 256 --out "$out/e2e_llama_8k_whole_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note|memory"
 # 1b. 48 GiB at 8K, all three systems, one model per call.
@@ -30,8 +35,9 @@ timeout -s KILL 200 python3 -m benchmarks.kernel_resources --out "$out/kernel_re
 # 2. The single-pass compressor with the strided tail zeroing (was 174 us of its 987 us), against two-pass.
 timeout -s KILL 300 python3 -m benchmarks.compress --variants single_pass_tile2_w1,single_pass_tile4_w4,two_pass_plan16_w4 --out "$out/compress_h200.json" 2>&1 | grep --line-buffered -vE "Warning|^\s*$"
 # Where the default kernels' time goes: producer (copies) and consumer (compute) alone (timing only);
-# and format 2's two consumers at 2 and 4 splits (its heuristic targets one CTA per SM; is that the best grid?).
-python3 -m benchmarks.fused_kernel_check --quick --skip-correctness --sweep '[{"stages":2,"v_after_qk":true,"timing_probe":"copies"},{"stages":2,"v_after_qk":true,"timing_probe":"compute"},{"stages":4,"consumers":2,"timing_probe":"copies"},{"stages":4,"consumers":2,"timing_probe":"compute"},{"stages":4,"consumers":2,"splits":2},{"stages":4,"consumers":2,"splits":4}]' --out "$out/fused_kernel_probes_h200.json" 2>&1 | grep -E "cudnn|zipfusion"
+# format 1 at 3 stages with v_after_qk (128 registers: still 2 CTAs/SM, 50% more bytes in flight; the
+# H200 copy path, not the consumer, bounds format 1 there); format 2's two consumers at 2 and 4 splits.
+python3 -m benchmarks.fused_kernel_check --quick --skip-correctness --sweep '[{"stages":3,"v_after_qk":true},{"stages":2,"v_after_qk":true,"timing_probe":"copies"},{"stages":3,"v_after_qk":true,"timing_probe":"copies"},{"stages":2,"v_after_qk":true,"timing_probe":"compute"},{"stages":4,"consumers":2,"timing_probe":"copies"},{"stages":4,"consumers":2,"timing_probe":"compute"},{"stages":4,"consumers":2,"splits":2},{"stages":4,"consumers":2,"splits":4}]' --out "$out/fused_kernel_probes_h200.json" 2>&1 | grep -E "cudnn|zipfusion"
 python3 -m benchmarks.fused_kernel_check --out "$out/fused_kernel_h200.json" 2>&1 | grep -E "PASS|FAIL|cudnn|zipfusion"
 python3 -m benchmarks.attention --out "$out/attention_h200.json" 2>&1 | grep -vE "^\s*$|Warning"
 python3 -m benchmarks.generate --batch 32 --context 8192 --out "$out/generate_h200.json" 2>&1 | tail -8

@@ -40,6 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _platform
 from pallas_kernels import decode_interpret as I
 from pallas_kernels import page_prefetch_mgpu as P
+from pallas_kernels import register_cap_mgpu as RC
 from pallas_kernels import restore_mgpu as R
 from zipfusion_jax.paged.cache import PAGE_SIZE, PagedKVCache
 
@@ -95,6 +96,10 @@ class DecodeConfig:
       (~90-99% of them) then load 12 instead of 20 bytes per fragment and hold 2 fewer registers
       per fragment (16 per restore). Correct on the H100 (14 cases) but no faster there and
       the same registers per ptxas (2026-12-06), so off.
+    max_registers: cap ptxas at this many registers per thread (PTX `.maxnreg`, through
+      `register_cap_mgpu`: Mosaic GPU has no option for it); 128 lets two 256-thread CTAs share
+      an SM whatever ptxas would pick (format 2 with `v_after_qk` needs 131-133). 0 (default): no
+      cap. Experimental: lowers (CPU, abstract H200), not yet run on a GPU (2026-12-06).
     timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
       waits for and releases each stage (the producer's copy rate), "compute" = the producer
       issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
@@ -108,6 +113,7 @@ class DecodeConfig:
   consumers: int = 1
   v_after_qk: bool = False
   lazy_raw: bool = False
+  max_registers: int = 0
 
   def __post_init__(self):
     if self.splits < 1:
@@ -116,6 +122,8 @@ class DecodeConfig:
       raise ValueError(f"{self.stages=} must be in [1, 4]")
     if self.consumer_registers and (self.consumer_registers % 8 or not 64 <= self.consumer_registers <= 256):
       raise ValueError(f"{self.consumer_registers=} must be 0 or a multiple of 8 in [64, 256]")
+    if self.max_registers and (self.max_registers % 8 or not 64 <= self.max_registers <= 248):
+      raise ValueError(f"{self.max_registers=} must be 0 or a multiple of 8 in [64, 248]")
     if self.timing_probe not in ("", "copies", "compute"):
       raise ValueError(f"{self.timing_probe=} must be '', 'copies' or 'compute'")
     if self.consumers not in (1, 2):
@@ -173,7 +181,7 @@ def default_config(cache: PagedKVCache) -> DecodeConfig:
 
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
             compressed, version, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages,
-            timing_probe, warp_issue, consumer_registers, consumers, v_after_qk, lazy_raw, interpret):
+            timing_probe, warp_issue, consumer_registers, consumers, v_after_qk, lazy_raw, max_registers, interpret):
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
@@ -321,6 +329,8 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   def _producer():
     if consumer_registers:
       plgpu.set_max_registers(40, action="decrease")
+    if max_registers and not interpret:  # marks the whole kernel (emits no instruction)
+      plgpu.inline_mgpu()(lambda ctx: RC.request_max_registers(max_registers))()
 
     num_pages = store_b.shape[1]
     row_end = (b + 1) * max_pages  # flat page-table rows of this sequence end here
@@ -519,7 +529,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       pages_per_split=pages_per_split, max_pages=max_pages, scale=scale, stages=stages,
       timing_probe=config.timing_probe, warp_issue=config.warp_issue,
       consumer_registers=config.consumer_registers, consumers=consumers, v_after_qk=config.v_after_qk, lazy_raw=config.lazy_raw,
-      interpret=interpret)
+      max_registers=config.max_registers, interpret=interpret)
 
   def entry(*refs):
     pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")

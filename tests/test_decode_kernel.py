@@ -66,6 +66,47 @@ def test_lowers_to_one_mosaic_gpu_kernel_for_an_abstract_h200(compressed, head_d
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
 
 
+def test_a_register_cap_reaches_the_outlined_kernel(monkeypatch):
+  """DecodeConfig.max_registers: the kernel is outlined before serialization with `nvvm.maxnreg`
+  on its gpu.func (PTX `.maxnreg`), its arguments still plain pointers; uncapped kernels are untouched."""
+  from pallas_kernels import register_cap_mgpu as RC
+
+  kernels = []
+
+  def spy(module):
+    caps = apply_marks(module)
+    kernels.append((caps, [dict(type=str(f.attributes["function_type"]),
+                                cap=str(f.attributes["nvvm.maxnreg"]) if "nvvm.maxnreg" in f.attributes else None)
+                           for f in RC._ops_named(module, "gpu.func")], len(RC._ops_named(module, "gpu.launch"))))
+    return caps
+
+  apply_marks = RC.apply_marks
+  monkeypatch.setattr(RC, "apply_marks", spy)
+  k, v = _kv(2, 100, 2, 128)
+  cache = zf.paged_cache_from_dense(k, v, np.array([100, 37]), version=2)
+  q = jnp.zeros((2, 8, 128), jnp.bfloat16)
+  for cap in (128, 0):
+    cfg = da.DecodeConfig(stages=2, v_after_qk=True, max_registers=cap)
+    text = _lower_text(lambda q, c: da._decode_attention(q, c, 0.125, cfg, True), q, cache)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    assert ("nvvm.maxnreg" in text) == bool(cap)
+  (caps, funcs, launches), (no_caps, no_funcs, kept) = kernels
+  assert caps == [128] and launches == 0 and len(funcs) == 1 and funcs[0]["cap"] == "128 : i32"
+  args = funcs[0]["type"].split(") -> ")[0].strip("(").split(", ")
+  assert set(args) <= {"!llvm.ptr", "!llvm.array<1024 x i8>"}, args  # pointers (+ the TMA descriptors' bytes)
+  assert no_caps == [] and no_funcs == [] and kept == 1  # uncapped: the compile pipeline outlines it
+  with pytest.raises(ValueError, match="max_registers"):
+    da.DecodeConfig(max_registers=130)
+  with pytest.raises(RuntimeError, match="not inside a Mosaic GPU kernel"):
+    from jax._src.interpreters import mlir as jmlir
+    from jaxlib.mlir import ir
+
+    with jmlir.make_ir_context(), ir.Location.unknown():
+      module = ir.Module.create()
+      with ir.InsertionPoint(module.body):
+        RC.request_max_registers(128)
+
+
 @pytest.mark.parametrize("head_dim,group,splits,warp_issue,lazy_raw", [(128, 4, 1, True, False), (64, 3, 2, False, False),
                                                                       (128, 4, 1, True, True)])
 def test_version_2_cache_lowers_to_one_mosaic_gpu_kernel(head_dim, group, splits, warp_issue, lazy_raw):
