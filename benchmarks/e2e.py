@@ -1,7 +1,7 @@
 """End-to-end decode under one KV memory budget: ZipFusion vs uncompressed vs decompress-then-attend.
 
   python -m benchmarks.e2e [--models llama3.1-8b,qwen3-8b] [--contexts 2048,8192,32768]
-      [--budget-gib 48[,whole] [--reserve-gib 8]] [--steps 256] [--warmup 8] [--max-slots 512] [--decomposition [--decomposition-shape 32x2048]]
+      [--budget-gib 48[,whole] [--reserve-gib 8]] [--steps 256] [--warmup 32] [--max-slots 512] [--decomposition [--decomposition-shape 32x2048]]
       [--batch-curve 4x8] [--kv-stats random|real] [--decode-knobs '{"consumers": 2, "stages": 4}'] [--out benchmarks/results/e2e_h200.json]
 
 Three systems, all this project's serving engine with random BF16 weights at the model's shapes:
@@ -33,9 +33,11 @@ A system that runs out of device memory gets a row with an "error" and null figu
 run goes on. Rows: {"model", "system", "context", "batch" (running after admission), "batch_max" (the most a timed
 step decoded: admission may add requests as the measured compression ratio frees room), "is_max_batch", "kv_budget_gib", "decode_tokens_per_s",
 "step_ms", "step_ms_median", "compiles_in_timing", "compile_step_ms", "attention_ms", "decompress_ms",
-"eligible_fraction", "kv_statistics", "decode_knobs", "batch_curve" (tokens/s at 3/4, 1/2, 1/4 of
-the largest batch by default: `--batch-curve`), "phase_s" (wall seconds of compile, admit,
-warmup_steps, timed_steps, decomposition, batch_curve)}.
+"eligible_fraction", "kv_statistics", "decode_knobs", "new_tokens" (generation reserved per request:
+warm-up, timed and curve steps), "batch_curve" (tokens/s at 3/4, 1/2, 1/4 of "batch_curve_from", the
+batch running after the timed steps, by default: `--batch-curve`; its 24 steps are reserved at
+admission too), "phase_s" (wall seconds of compile, admit, warmup_steps, timed_steps,
+decomposition, batch_curve)}.
 `--decode-knobs` sets fused-kernel knobs over its heuristic config (`PagedBackend.decode_knobs`) for
 every system, decompress-then-attend's BF16 kernel included.
 """
@@ -109,14 +111,14 @@ def backend_for(config, system: str, slots: int, max_tokens: int, budget_bytes: 
   return PagedBackend(cfg, encoder=encoder, attention=attention, decode_knobs=decode_knobs)
 
 
-def layer_parts(engine: Engine, restore_iterations: int = 5) -> tuple[float, float]:
+def layer_parts(engine: Engine, iterations: int = 5) -> tuple[float, float]:
   """(attention_ms, decompress_ms) of one decode step's layers, on the engine's current state.
 
   The fused systems: every layer's attention in one jit. Decompress-then-attend: layer by layer
   (restore, then attention on its BF16 pages, both timed), so that one layer's BF16 buffer is alive
   at a time, as in its decode step and its memory budget; all layers' buffers at once need not fit.
-  Each of its per-layer calls is the median of `restore_iterations` CUPTI runs (every call starts a
-  profiling session, and 2 x num_layers calls of 10 made this the slowest part of a run).
+  Each of its per-layer calls (restore, attention) is the median of `iterations` CUPTI runs
+  (every call starts a profiling session: 2 x num_layers calls of 10 were the slowest part of a run).
   """
   backend, state, cfg, config = engine.backend, engine.state, engine.cfg, engine.model.config
   q = jax.random.normal(jax.random.key(0), (cfg.num_slots, config.q_heads, config.head_dim), jnp.bfloat16)
@@ -130,11 +132,11 @@ def layer_parts(engine: Engine, restore_iterations: int = 5) -> tuple[float, flo
   attend = jax.jit(lambda q, v: paged_decode_attention(q, v, impl=backend.attention_impl, **kwargs))
   decompress_us = attention_us = 0.0
   for view in views:
-    us, _ = cupti_us(restore, view, iterations=restore_iterations)
+    us, _ = cupti_us(restore, view, iterations=iterations)
     decompress_us += us
     k_pages, v_pages = restore(view)
     plain = view.replace(arena=None, group_meta=None, k_pages=k_pages, v_pages=v_pages, compressed=False)
-    us, _ = cupti_us(attend, q, plain, iterations=restore_iterations)
+    us, _ = cupti_us(attend, q, plain, iterations=iterations)
     attention_us += us
     del k_pages, v_pages, plain
   return attention_us / 1e3, decompress_us / 1e3
@@ -168,12 +170,14 @@ def batch_curve(engine: Engine, levels: int, steps_per_level: int) -> list[dict]
   width is compiled): the queue is cancelled so nothing more is admitted, then for each level
   k = levels - 1 .. 1 the running batch is cut to k / levels of its size (the highest slots
   cancelled) and `steps_per_level` steps are timed. Returns [{"batch", "decode_tokens_per_s",
-  "step_ms_median"}] from the largest batch down."""
+  "step_ms_median"}] from the largest batch down (fractions of the batch running when called)."""
   sched = engine.scheduler
   for req in list(sched.waiting):
     engine.cancel(req)
   start = len(sched.running)
   points = []
+  if not start:
+    return points
   for k in range(levels - 1, 0, -1):
     keep = max(1, round(start * k / levels))
     for req in sorted(sched.running.values(), key=lambda r: r.slot)[keep:]:
@@ -240,6 +244,8 @@ def run_system(config, params, system: str, context: int, steps: int, warmup: in
       decompress_buffer_bytes=engine.backend.decompress_buffer_bytes, weights="random",
       compiles_in_timing=compiles_in_timing, compile_step_ms=[1e3 * t for t, _ in compile_steps],
       decode_knobs=dict(decode_knobs))
+  row["new_tokens"] = new_tokens  # reserved per request at admission (the curve's steps included)
+  row["batch_curve_from"] = len(engine.scheduler.running)  # the batch the curve's fractions are of
   t0 = time.perf_counter()  # last: it cancels requests (the row's queue and store figures come first)
   row["batch_curve"] = batch_curve(engine, levels, steps_per_level) if curve_steps else []
   phases["batch_curve"] = time.perf_counter() - t0
@@ -286,7 +292,8 @@ def parse_budgets(text: str) -> list[float | str | None]:
 
 
 def parse_batch_curve(text: str) -> tuple[int, int]:
-  """`--batch-curve`: "LEVELSxSTEPS" (e.g. "4x8"), or "0" for none."""
+  """`--batch-curve`: "LEVELSxSTEPS" (e.g. "4x8"), or "0" for none (argparse reports a ValueError
+  as a usage error)."""
   if text.strip() == "0":
     return (0, 0)
   try:
@@ -317,7 +324,7 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=256)
   p.add_argument("--warmup", type=int, default=2 * PAGE_SIZE,
                  help="untimed steps first: two page cycles, so every completion width a step needs is compiled")
-  p.add_argument("--batch-curve", default="4x8",
+  p.add_argument("--batch-curve", type=parse_batch_curve, default="4x8",
                  help="LEVELSxSTEPS: after the timed steps, tokens/s at (LEVELS-1)/LEVELS .. 1/LEVELS of the "
                       "largest batch, STEPS steps each (requests cancelled, no new compile); 0 for none")
   p.add_argument("--max-slots", type=int, default=512, help="requests offered (an upper bound on the batch)")
@@ -331,7 +338,7 @@ def main(argv=None):
   p.add_argument("--out", type=pathlib.Path, default=None)
   a = p.parse_args(argv)
   knobs = tuple(sorted(a.decode_knobs.items()))
-  curve = parse_batch_curve(a.batch_curve)
+  curve = a.batch_curve
   rows = []
   for name in a.models.split(","):
     config = get_config(name)

@@ -69,10 +69,11 @@ def draw_e2e_batch_curve(ax, result: dict, setting: tuple) -> None:
               == (model, context, budget, system)), None)
     if r is None:
       continue
+    top = r.get("batch_curve_from", r["batch"])  # the batch of the timed steps, which the curve starts from
     points = sorted([(p["batch"], p["decode_tokens_per_s"]) for p in r.get("batch_curve", [])]
-                    + [(r["batch"], r["decode_tokens_per_s"])])
+                    + [(top, r["decode_tokens_per_s"])])
     ax.plot([b for b, _ in points], [t for _, t in points], marker="o", ms=3, color=COLORS[system], label=system)
-    ax.plot([r["batch"]], [r["decode_tokens_per_s"]], marker="*", ms=11, color=COLORS[system])
+    ax.plot([top], [r["decode_tokens_per_s"]], marker="*", ms=11, color=COLORS[system])
   ax.set_xlabel("batch (sequences decoding)")
   ax.set_ylabel("decode tokens/s")
   ax.set_title(f"{model}, {context // 1024}K, {budget:g} GiB of KV (star: largest batch)", fontsize=8)
@@ -86,11 +87,17 @@ def curve_settings(result: dict) -> list[tuple]:
 
 
 def merge_e2e(results: list[dict]) -> dict:
-  """One result from several e2e runs of one device (their rows in order; the newest date)."""
-  devices = {r["device"] for r in results}
-  if len(devices) != 1:
-    raise ValueError(f"e2e results from different devices cannot share a plot: {sorted(devices)}")
-  return dict(results[0], date=max(r["date"] for r in results), rows=[row for r in results for row in r["rows"]])
+  """One result from several e2e runs of one device and jax (their rows in order; the newest
+  date). A (model, system, context, budget) measured twice is an error: which would the plot show?"""
+  for field in ("device", "jax"):
+    values = {r.get(field) for r in results}
+    if len(values) != 1:
+      raise ValueError(f"e2e results from different {field}s cannot share a plot: {sorted(map(str, values))}")
+  rows = [row for r in results for row in r["rows"]]
+  keys = [(r["model"], r["system"], r["context"], r["kv_budget_gib"]) for r in _measured({"rows": rows})]
+  if len(keys) != len(set(keys)):
+    raise ValueError(f"e2e results measure a setting twice: {sorted({k for k in keys if keys.count(k) > 1})}")
+  return dict(results[0], date=max(r["date"] for r in results), rows=rows)
 
 
 def draw_e2e_breakdown(ax, result: dict) -> None:
@@ -150,11 +157,17 @@ def main(argv=None) -> None:
   import argparse
 
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--e2e", default="e2e_h200.json", help="comma-separated e2e result files (under results/ or paths)")
+  p.add_argument("--e2e", default=None, help="comma-separated e2e result files (under results/ or paths); "
+                 "default: results/e2e_h200.json if present")
   a = p.parse_args(argv)
   matplotlib.use("Agg")  # files only (here, not at import: the notebooks draw inline with these functions)
-  found = [_load(name) for name in a.e2e.split(",") if name]
-  found = [r for r in found if r is not None]
+  if a.e2e is None:
+    found = [r for r in [_load("e2e_h200.json")] if r is not None]
+  else:
+    found = [_load(name) for name in a.e2e.split(",") if name]
+    if None in found:
+      missing = [n for n, r in zip(a.e2e.split(","), found) if r is None]
+      p.error(f"--e2e: no such results file: {', '.join(missing)}")
   if found:
     e2e = merge_e2e(found)
     save(draw_e2e_throughput, e2e, HERE / "e2e_throughput.png", (1.8 + 2.2 * len(_budget_settings(e2e)), 3.6))

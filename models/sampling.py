@@ -1,11 +1,13 @@
 """Token choice from logits: greedy, or temperature sampling restricted to the top k tokens and / or
-the smallest set of tokens whose probability reaches top_p (nucleus). Shared by the serving engine's
-model adapter and the dense reference generator, so both pick alike.
+the smallest set of tokens whose probability reaches top_p (nucleus). The serving engine's model
+adapter and the dense reference generator apply this one rule (each derives its own random keys:
+greedy outputs agree, sampled ones need not).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ class Sampling:
 
   Attributes:
     temperature: 0 = greedy argmax; else softmax(logits / temperature) sampling.
-    top_k: sample among the k most likely tokens only (0 = all).
+    top_k: sample among the k most likely tokens only (0 = all); tokens tied with the k-th are kept.
     top_p: sample among the fewest most likely tokens whose probability sums to >= top_p (1 = all);
       with top_k too, top_p applies to the top_k tokens' renormalised probabilities.
   """
@@ -27,18 +29,21 @@ class Sampling:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if not self.temperature >= 0:
-      raise ValueError(f"temperature={self.temperature} must be >= 0")
-    if self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k} must be >= 0 (0: no limit)")
+    if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+      raise ValueError(f"temperature={self.temperature} must be finite and >= 0")
+    if self.top_k != int(self.top_k) or self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k} must be an integer >= 0 (0: no limit)")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
 
   def restrict(self, logits: jax.Array) -> jax.Array:
-    """logits float32 [..., V] / temperature, with the tokens outside top_k / top_p set to -inf."""
+    """logits float32 [..., V] / temperature, with the tokens outside top_k / top_p set to -inf
+    (sampling only: greedy picks need no restriction)."""
+    if self.temperature == 0:
+      raise ValueError("restrict() is for sampling (temperature > 0); greedy takes the argmax")
     logits = logits.astype(jnp.float32) / self.temperature
     if self.top_k and self.top_k < logits.shape[-1]:
-      kth = jax.lax.top_k(logits, self.top_k)[0][..., -1:]
+      kth = jax.lax.top_k(logits, int(self.top_k))[0][..., -1:]
       logits = jnp.where(logits < kth, -jnp.inf, logits)
     if self.top_p < 1:
       ordered = jnp.sort(logits, axis=-1)[..., ::-1]

@@ -97,9 +97,10 @@ class DecodeConfig:
       per fragment (16 per restore). Correct on the H100 (14 cases) but no faster there and
       the same registers per ptxas (2026-12-06), so off.
     max_registers: cap ptxas at this many registers per thread (PTX `.maxnreg`, through
-      `register_cap_mgpu`: Mosaic GPU has no option for it); 128 lets two 256-thread CTAs share
-      an SM whatever ptxas would pick (format 2 with `v_after_qk` needs 131-133). 0 (default): no
-      cap. Experimental: lowers (CPU, abstract H200), not yet run on a GPU (2026-12-06).
+      `register_cap_mgpu`: Mosaic GPU has no option for it); with one consumer (256 threads),
+      128 lets two CTAs share an SM whatever ptxas would pick (format 2 with `v_after_qk` needs
+      131-133). Not with `consumer_registers`. 0 (default): no cap. Experimental: lowers (CPU,
+      abstract H200), not yet run on a GPU (2026-12-06).
     timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
       waits for and releases each stage (the producer's copy rate), "compute" = the producer
       issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
@@ -124,6 +125,8 @@ class DecodeConfig:
       raise ValueError(f"{self.consumer_registers=} must be 0 or a multiple of 8 in [64, 256]")
     if self.max_registers and (self.max_registers % 8 or not 64 <= self.max_registers <= 248):
       raise ValueError(f"{self.max_registers=} must be 0 or a multiple of 8 in [64, 248]")
+    if self.max_registers and self.consumer_registers:  # setmaxnreg past the cap could wait forever
+      raise ValueError("max_registers and consumer_registers are alternatives: set one of them")
     if self.timing_probe not in ("", "copies", "compute"):
       raise ValueError(f"{self.timing_probe=} must be '', 'copies' or 'compute'")
     if self.consumers not in (1, 2):

@@ -23,6 +23,8 @@ is used.
 
 from __future__ import annotations
 
+import threading
+
 from jax.experimental.mosaic.gpu import core as mosaic_core
 from jaxlib.mlir import ir, passmanager
 from jaxlib.mlir._mlir_libs import _mlirGPUPasses  # noqa: F401  (registers gpu-kernel-outlining)
@@ -31,8 +33,9 @@ MARK = "zipfusion.maxnreg"
 # Ops the compile pipeline sinks into a launch before outlining (memref descriptors built from
 # constants), so that the outlined kernel takes pointers, not descriptor structs.
 _SINKABLE = frozenset({"arith.constant", "llvm.mlir.constant", "llvm.mlir.zero", "llvm.mlir.undef",
-                       "llvm.insertvalue", "builtin.unrealized_conversion_cast"})
-_original_serde = None
+                       "llvm.mlir.poison", "llvm.insertvalue", "builtin.unrealized_conversion_cast"})
+_INSTALLED = "_zipfusion_register_cap"  # attribute that marks the installed wrapper
+_install_lock = threading.Lock()
 
 
 def request_max_registers(count: int) -> None:
@@ -50,18 +53,20 @@ def request_max_registers(count: int) -> None:
 
 
 def install() -> None:
-  """Wrap `mosaic_core._run_serde_pass` (once) so that marked kernels are capped."""
-  global _original_serde
-  if _original_serde is not None:
-    return
-  _original_serde = mosaic_core._run_serde_pass
+  """Wrap `mosaic_core._run_serde_pass` so that marked kernels are capped. Idempotent (also
+  across a reload of this module: the wrapper is recognised by an attribute) and thread-safe."""
+  with _install_lock:
+    original = mosaic_core._run_serde_pass
+    if getattr(original, _INSTALLED, False):
+      return
 
-  def run_serde_pass(module, *, serialize, ir_version=None):
-    if serialize:
-      apply_marks(module)
-    return _original_serde(module, serialize=serialize, ir_version=ir_version)
+    def run_serde_pass(module, *, serialize, ir_version=None):
+      if serialize:
+        apply_marks(module)
+      return original(module, serialize=serialize, ir_version=ir_version)
 
-  mosaic_core._run_serde_pass = run_serde_pass
+    setattr(run_serde_pass, _INSTALLED, True)
+    mosaic_core._run_serde_pass = run_serde_pass
 
 
 def apply_marks(module: ir.Module) -> list[int]:

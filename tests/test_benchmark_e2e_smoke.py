@@ -22,7 +22,8 @@ def test_e2e_rows(tmp_path):
     assert r["compiles_in_timing"] == 0  # Engine.warm_up compiled every completion width first
     assert set(r["phase_s"]) == {"compile", "admit", "warmup_steps", "timed_steps", "decomposition", "batch_curve"}
     curve = r["batch_curve"]  # 3/4, 1/2, 1/4 of the largest batch
-    assert [p["batch"] for p in curve] == [max(1, round(r["batch"] * k / 4)) for k in (3, 2, 1)]
+    assert [p["batch"] for p in curve] == [max(1, round(r["batch_curve_from"] * k / 4)) for k in (3, 2, 1)]
+    assert r["new_tokens"] == 1 + 2 + 2 + 3 * 8  # warm-up, timed, prefill + admitting step, curve
     assert all(p["decode_tokens_per_s"] > 0 for p in curve)
     assert all(t >= 0 for t in r["phase_s"].values()) and r["phase_s"]["compile"] > 0
   z, u, d = (rows[(s, 0.001)] for s in ("zipfusion", "uncompressed", "decompress_then_attend"))
@@ -48,13 +49,19 @@ def _check_batch_curve_plot(result, tmp_path):
   assert [line.get_label() for line in curves] == ["zipfusion", "uncompressed", "decompress_then_attend"]
   for line, system in zip(curves, ("zipfusion", "uncompressed", "decompress_then_attend")):
     row = next(r for r in result["rows"] if r["system"] == system)
-    assert len(line.get_xdata()) == 4 and max(line.get_xdata()) == row["batch"]  # 3 curve points + the largest
+    assert len(line.get_xdata()) == 4 and max(line.get_xdata()) == row["batch_curve_from"]  # 3 curve points + top
   plt.close(fig)
   plot_results.save_batch_curves(result, tmp_path / "curves.png")
   assert (tmp_path / "curves.png").stat().st_size > 0
   with pytest.raises(ValueError, match="different devices"):
     plot_results.merge_e2e([result, dict(result, device="another")])
-  assert len(plot_results.merge_e2e([result, result])["rows"]) == 2 * len(result["rows"])
+  with pytest.raises(ValueError, match="twice"):
+    plot_results.merge_e2e([result, result])
+  halves = [dict(result, rows=result["rows"][:1]), dict(result, rows=result["rows"][1:], date="2099-01-01")]
+  merged = plot_results.merge_e2e(halves)
+  assert merged["rows"] == result["rows"] and merged["date"] == "2099-01-01"
+  with pytest.raises(SystemExit):
+    plot_results.main(["--e2e", str(tmp_path / "absent.json")])
 
 
 def test_batch_curve_option_is_parsed_and_checked():
@@ -62,6 +69,8 @@ def test_batch_curve_option_is_parsed_and_checked():
   for bad in ("4", "1x8", "4x0", "ax8"):
     with pytest.raises(ValueError, match="--batch-curve"):
       e2e.parse_batch_curve(bad)
+  with pytest.raises(SystemExit):  # a usage error, not a traceback
+    e2e.main(["--batch-curve", "4"])
 
 
 def test_e2e_decomposition_setting_is_not_budget_limited():

@@ -107,6 +107,19 @@ def test_a_register_cap_reaches_the_outlined_kernel(monkeypatch):
         RC.request_max_registers(128)
 
 
+def test_the_register_cap_hook_installs_once_even_across_a_reload():
+  import importlib
+
+  from jax.experimental.mosaic.gpu import core
+  from pallas_kernels import register_cap_mgpu as RC
+
+  RC.install()
+  hook = core._run_serde_pass
+  importlib.reload(RC)
+  RC.install()
+  assert core._run_serde_pass is hook  # not wrapped twice (a wrapper calling itself would recurse)
+
+
 @pytest.mark.parametrize("head_dim,group,splits,warp_issue,lazy_raw", [(128, 4, 1, True, False), (64, 3, 2, False, False),
                                                                       (128, 4, 1, True, True)])
 def test_version_2_cache_lowers_to_one_mosaic_gpu_kernel(head_dim, group, splits, warp_issue, lazy_raw):

@@ -38,7 +38,7 @@ def test_top_k_keeps_the_k_most_likely_tokens_only():
 def test_top_p_keeps_the_smallest_set_reaching_p():
   assert set(_draws(Sampling(1.0, top_p=0.5))) == {3}  # 0.5 alone reaches 0.5
   assert set(_draws(Sampling(1.0, top_p=0.7))) == {3, 0}  # 0.5 < 0.7 <= 0.75
-  assert set(_draws(Sampling(1.0, top_p=0.9))) == {3, 0, 4}  # 0.75 < 0.9 <= 0.9
+  assert set(_draws(Sampling(1.0, top_p=0.85))) == {3, 0, 4}  # 0.75 < 0.85 <= 0.9
   assert set(_draws(Sampling(1.0))) == {0, 1, 2, 3, 4}
 
 
@@ -59,10 +59,16 @@ def test_restrict_matches_a_numpy_reference():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1.0), "temperature"), (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(temperature=float("nan")), "temperature")])
+    (dict(top_p=1.5), "top_p"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"), (dict(top_k=2.5), "top_k")])
 def test_bad_settings_are_refused(kwargs, message):
   with pytest.raises(ValueError, match=message):
     Sampling(**kwargs)
+
+
+def test_restrict_is_for_sampling_only():
+  with pytest.raises(ValueError, match="greedy"):
+    Sampling().restrict(LOGITS)
 
 
 def test_the_serving_adapter_and_the_cli_take_top_k_and_top_p():
@@ -71,9 +77,9 @@ def test_the_serving_adapter_and_the_cli_take_top_k_and_top_p():
   from zipfusion_jax.serving.model import ModelDecoder
 
   config = get_config("tiny-llama3")
-  assert ModelDecoder(config, 1.0, 0, 5, 0.9).sampling == Sampling(1.0, 5, 0.9)
+  assert ModelDecoder(config, temperature=1.0, top_k=5, top_p=0.9).sampling == Sampling(1.0, 5, 0.9)
   with pytest.raises(ValueError, match="top_p"):
-    ModelDecoder(config, 1.0, 0, 0, 2.0)
+    ModelDecoder(config, temperature=1.0, top_p=2.0)
   args = parse_args(["--prompt", "hi", "--temperature", "0.8", "--top-k", "40", "--top-p", "0.95"])
   assert (args.top_k, args.top_p) == (40, 0.95)
   for bad in (["--top-k", "-1"], ["--top-p", "0"]):

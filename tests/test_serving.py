@@ -344,14 +344,23 @@ def test_cancelled_requests_free_their_pages_and_leave_the_others_unchanged():
   for bad in (running, waiting):
     with pytest.raises(ValueError, match="only waiting or running"):
       engine.cancel(bad)
+  with pytest.raises(ValueError, match="only waiting or running"):
+    engine.cancel(reference[1])  # another engine's request
+  # A running request whose next token completes a page: cancelled between steps, nothing is pending.
+  while not any(r.length % 16 == 15 for r in engine.scheduler.running.values()):
+    engine.step()
+  edge = next(r for r in engine.scheduler.running.values() if r.length % 16 == 15)
+  engine.cancel(edge)
+  assert check_invariants(engine.backend, engine.state, engine.allocator, list(engine.scheduler.running.values()),
+                          shadow) == []
   engine.run()
   for r, ref in zip(reqs, reference):
-    if r not in (running, waiting):
+    if r not in (running, waiting, edge):
       assert r.status is Status.FINISHED and r.generated == ref.generated  # the others: same tokens
-  assert engine.scheduler.cancelled == [running, waiting] and engine.idle
+  assert engine.scheduler.cancelled == [running, waiting, edge] and engine.idle
   assert engine.allocator.capacity().live_bytes == 0
   with pytest.raises(ValueError, match="finished"):
-    engine.cancel(reqs[0] if reqs[0] not in (running, waiting) else reqs[-1])
+    engine.cancel(next(r for r in reqs if r not in (running, waiting, edge)))
 
 
 def test_decompress_then_attend_backend_matches_fused_bit_for_bit():

@@ -185,7 +185,8 @@ def run(args: argparse.Namespace, out=None, err=None) -> dict:
   cfg = serving_config(model.config, [len(p) for p in prompt_ids], args.max_new_tokens, args.max_batch, compressed,
                        args.kv_memory_mib, format_version=args.format_version)
   on_gpu = jax.default_backend() == "gpu"
-  engine = Engine(ModelDecoder(model.config, args.temperature, args.seed, args.top_k, args.top_p),
+  decoder = ModelDecoder(model.config, temperature=args.temperature, seed=args.seed, top_k=args.top_k, top_p=args.top_p)
+  engine = Engine(decoder,
                   PagedBackend(cfg, encoder="pallas" if on_gpu else "reference"), model.params, tensor_parallel=tp)
   stream = len(args.prompt) == 1
   t0 = time.perf_counter()

@@ -292,7 +292,8 @@ class Engine:
       self.run_decode(idle_decode_plan(self.cfg, width), tokens)
 
   def run(self, max_steps: int = 100_000) -> list[Request]:
-    """Step until every submitted request finished; returns them in finishing order."""
+    """Step until no request waits or runs; returns the finished ones in finishing order
+    (cancelled requests are in `scheduler.cancelled`)."""
     for _ in range(max_steps):
       if self.idle:
         return self.scheduler.finished
