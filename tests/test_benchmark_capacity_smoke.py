@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import capacity
 
 
+@pytest.mark.slow  # 18 s on real KV (test_serving's capacity tests cover the accounting)
 def test_capacity_json_schema(tmp_path):
   out = tmp_path / "capacity.json"
   capacity.main(["--budget-gib", "0.25", "--real-kv-tokens", "256", "--out", str(out)])

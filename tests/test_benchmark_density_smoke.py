@@ -1,11 +1,14 @@
 """The density benchmark on a short prefill of the embedded model: the issue's row schema, both
 versions and both RoPE arithmetics; version 2 keeps at least the blocks version 1 keeps."""
 
+import pytest
+
 from benchmarks import density
 
 FIELDS = {"version", "model", "bits_per_value_k", "bits_per_value_v", "bits_per_value"}
 
 
+@pytest.mark.slow  # 21 s: the embedded model's real KV in both versions (the format tests cover the codec)
 def test_density_rows(tmp_path):
   out = tmp_path / "density.json"
   result = density.main(["--tokens", "64", "--out", str(out)])
