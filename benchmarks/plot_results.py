@@ -1,9 +1,10 @@
 """Plots of the H200 results for RESULTS.md (PNGs next to it), read from benchmarks/results/*.json.
 
-  python -m benchmarks.plot_results [--e2e results/a.json,results/b.json]
+  python -m benchmarks.plot_results [--e2e results/a.json,results/b.json [--tag h100]]
       # writes benchmarks/e2e_throughput.png, e2e_batch_curves.png, e2e_breakdown.png,
       # attention_speedup.png (only for the results present); --e2e merges the rows of several
-      # e2e runs of one device (default: results/e2e_h200.json)
+      # e2e runs of one device (default: results/e2e_h200.json) and plots only them, into
+      # e2e_*_TAG.png with --tag
 
 The `draw_*` functions draw one figure's content on a given axes; the notebooks use them too.
 """
@@ -159,7 +160,11 @@ def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--e2e", default=None, help="comma-separated e2e result files (under results/ or paths); "
                  "default: results/e2e_h200.json if present")
+  p.add_argument("--tag", default="", help="suffix of the e2e PNGs' names (e.g. h100: e2e_throughput_h100.png), "
+                 "so that another device's figures sit next to the H200 ones")
+  p.add_argument("--out-dir", type=pathlib.Path, default=HERE, help="where the PNGs go (default: benchmarks/)")
   a = p.parse_args(argv)
+  tag, out = (f"_{a.tag}" if a.tag else ""), a.out_dir
   matplotlib.use("Agg")  # files only (here, not at import: the notebooks draw inline with these functions)
   if a.e2e is None:
     found = [r for r in [_load("e2e_h200.json")] if r is not None]
@@ -170,13 +175,13 @@ def main(argv=None) -> None:
       p.error(f"--e2e: no such results file: {', '.join(missing)}")
   if found:
     e2e = merge_e2e(found)
-    save(draw_e2e_throughput, e2e, HERE / "e2e_throughput.png", (1.8 + 2.2 * len(_budget_settings(e2e)), 3.6))
+    save(draw_e2e_throughput, e2e, out / f"e2e_throughput{tag}.png", (1.8 + 2.2 * len(_budget_settings(e2e)), 3.6))
     if curve_settings(e2e):
-      save_batch_curves(e2e, HERE / "e2e_batch_curves.png")
+      save_batch_curves(e2e, out / f"e2e_batch_curves{tag}.png")
     if any(r["kv_budget_gib"] is None for r in e2e["rows"]):
-      save(draw_e2e_breakdown, e2e, HERE / "e2e_breakdown.png", (5.5, 3.4))
-  if (att := _load("attention_h200.json")) is not None:
-    save(draw_attention_speedup, att, HERE / "attention_speedup.png", (6, 3.4))
+      save(draw_e2e_breakdown, e2e, out / f"e2e_breakdown{tag}.png", (5.5, 3.4))
+  if a.e2e is None and (att := _load("attention_h200.json")) is not None:
+    save(draw_attention_speedup, att, out / "attention_speedup.png", (6, 3.4))
 
 
 if __name__ == "__main__":

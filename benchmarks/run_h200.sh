@@ -28,6 +28,8 @@ XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 560 python3 -m benchmarks.e2
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 560 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 32768 --steps 256 --out "$out/e2e_llama_32k_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note|memory"
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 560 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 2048 --steps 256 --out "$out/e2e_llama_2k_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note|memory"
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 560 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --steps 256 --kv-stats real --out "$out/e2e_llama_8k_real_kv_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note|memory"
+# 1f. The motivating decomposition: batch 32, 2048-token prompts, no budget limit, all three systems.
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 560 python3 -m benchmarks.e2e --models llama3.1-8b --contexts "" --decomposition --steps 256 --out "$out/e2e_decomposition_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note|memory"
 # 1c. The page-decompression kernel (decompress-then-attend's restore): bit-exact pages + timing, with
 # the whole-row tile stores next to it (restore_pages_pallas_tile_stores: if faster, make it the default).
 timeout -s KILL 150 python3 -m benchmarks.attention --shapes 32x2048 --out "$out/attention_dta_h200.json" 2>&1 | grep -vE "^\s*$|Warning"

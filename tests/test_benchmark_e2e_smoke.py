@@ -1,6 +1,8 @@
 """CPU smoke tests of the end-to-end benchmark (tiny model, tiny budget): schema, largest batches, decomposition;
 and of the per-kernel step profile."""
 
+import json
+
 import jax
 import pytest
 
@@ -62,6 +64,9 @@ def _check_batch_curve_plot(result, tmp_path):
   assert merged["rows"] == result["rows"] and merged["date"] == "2099-01-01"
   with pytest.raises(SystemExit):
     plot_results.main(["--e2e", str(tmp_path / "absent.json")])
+  (tmp_path / "run.json").write_text(json.dumps(result))
+  plot_results.main(["--e2e", str(tmp_path / "run.json"), "--tag", "cpu", "--out-dir", str(tmp_path)])
+  assert {p.name for p in tmp_path.glob("e2e_*_cpu.png")} == {"e2e_throughput_cpu.png", "e2e_batch_curves_cpu.png"}
 
 
 def test_batch_curve_option_is_parsed_and_checked():
