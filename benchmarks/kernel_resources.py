@@ -42,10 +42,6 @@ VARIANTS = {  # name -> (cache, DecodeConfig knobs)
     "format1_v_after_qk_stages3": ("comp", {"stages": 3, "v_after_qk": True}),
     # format 2 with V^T after QK (slower than two consumers on 2026-12-06: above 128 registers?)
     "format2_v_after_qk_stages2": ("comp2", {"stages": 2, "v_after_qk": True}),
-    # raw high words loaded only for raw blocks (2 registers a fragment fewer?)
-    "format1_v_after_qk_lazy_raw_stages2": ("comp", {"stages": 2, "v_after_qk": True, "lazy_raw": True}),
-    "format2_consumers2_lazy_raw_stages4": ("comp2", {"stages": 4, "consumers": 2, "lazy_raw": True}),
-    "format2_v_after_qk_lazy_raw_stages2": ("comp2", {"stages": 2, "v_after_qk": True, "lazy_raw": True}),
     # ptxas capped at 128 (PTX .maxnreg, register_cap_mgpu): does the cap take, and what does it spill?
     "format2_v_after_qk_stages2_maxnreg128": ("comp2", {"stages": 2, "v_after_qk": True, "max_registers": 128}),
     "format1_stages3_maxnreg128": ("comp", {"stages": 3, "max_registers": 128}),

@@ -9,7 +9,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
 # 1. (2026-12-06, later session) On the H100 every default passed all 14 cases and lazy_raw was no
-# faster (off); e2e at 8K met issue 7's ratios there (1.335x / 1.374x, 3.20x / 3.17x DtA). Issue 7
+# faster (removed); e2e at 8K met issue 7's ratios there (1.335x / 1.374x, 3.20x / 3.17x DtA). Issue 7
 # wants the H200: the whole-H200 budget cannot fit an 80 GB card, so call 1a with needs_h200=true,
 # then the 48 GiB runs at once (needs_h200=false keeps the warm H200; it is released 30 s after a
 # call). One model per call: a three-system run takes ~300 s (rows print their phases' wall seconds).

@@ -91,11 +91,6 @@ class DecodeConfig:
       dead) instead of while that wgmma runs: less overlap, a lower register peak (a way for one
       consumer to fit ptxas's 128 again: 122 registers at 2 stages, H100, 2026-12-06, and 2 CTAs
       per SM; correct there in all 14 cases). The heuristic's choice for format version 1.
-    lazy_raw: load a raw block's stored high words only under a (warp-uniform) branch that raw
-      blocks take, instead of loading them for every fragment and selecting: compressed blocks
-      (~90-99% of them) then load 12 instead of 20 bytes per fragment and hold 2 fewer registers
-      per fragment (16 per restore). Correct on the H100 (14 cases) but no faster there and
-      the same registers per ptxas (2026-12-06), so off.
     max_registers: cap ptxas at this many registers per thread (PTX `.maxnreg`, through
       `register_cap_mgpu`: Mosaic GPU has no option for it); with one consumer (256 threads),
       128 lets two CTAs share an SM whatever ptxas would pick (format 2 with `v_after_qk` needs
@@ -113,7 +108,6 @@ class DecodeConfig:
   consumer_registers: int = 0
   consumers: int = 1
   v_after_qk: bool = False
-  lazy_raw: bool = False
   max_registers: int = 0
 
   def __post_init__(self):
@@ -184,7 +178,7 @@ def default_config(cache: PagedKVCache) -> DecodeConfig:
 
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
             compressed, version, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages,
-            timing_probe, warp_issue, consumer_registers, consumers, v_after_qk, lazy_raw, max_registers, interpret):
+            timing_probe, warp_issue, consumer_registers, consumers, v_after_qk, max_registers, interpret):
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
@@ -254,11 +248,9 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       infos = slot_infos(stage)
       if in_registers:
         operands = (byte_smem.at[stage],)
-        k = _inline(functools.partial(R.restore_k, lazy_raw=lazy_raw), (_BYTES,), operands, infos, head_dim,
-                    (STEP_TOKENS, head_dim))
+        k = _inline(R.restore_k, (_BYTES,), operands, infos, head_dim, (STEP_TOKENS, head_dim))
 
-        restore_vt = lambda: _inline(functools.partial(R.restore_vt, lazy_raw=lazy_raw), (_BYTES,), operands, infos,
-                                     head_dim, (head_dim, STEP_TOKENS))
+        restore_vt = lambda: _inline(R.restore_vt, (_BYTES,), operands, infos, head_dim, (head_dim, STEP_TOKENS))
 
         def qk(acc_ref):  # V^T is restored while S^T = K Q^T runs, unless v_after_qk
           plgpu.wgmma(acc_ref, k, q_t)
@@ -531,7 +523,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       _kernel, compressed=cache.compressed, version=version, head_dim=head_dim, kv_heads=kv_heads, row_stride=row_stride,
       pages_per_split=pages_per_split, max_pages=max_pages, scale=scale, stages=stages,
       timing_probe=config.timing_probe, warp_issue=config.warp_issue,
-      consumer_registers=config.consumer_registers, consumers=consumers, v_after_qk=config.v_after_qk, lazy_raw=config.lazy_raw,
+      consumer_registers=config.consumer_registers, consumers=consumers, v_after_qk=config.v_after_qk,
       max_registers=config.max_registers, interpret=interpret)
 
   def entry(*refs):

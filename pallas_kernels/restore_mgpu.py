@@ -109,30 +109,18 @@ def _store32(ptr, offset, value):
   llvm.store(value, _gep(ptr, offset))
 
 
-def _load_words(block_ptr, frag, lazy_raw=False):
+def _load_words(block_ptr, frag):
   """The loads of fragment `frag` (= 32c + lane, an i32) of the block at `block_ptr`: (lx, ly, code,
-  raw), the low words at `8k`, the code word at `512 + 4k` and `raw` = the raw high words at
-  `512 + 8k` (past a compressed block's end, still inside the stage slot), or with `lazy_raw` a
-  function that loads them (`_select_high` calls it only under a branch that raw blocks take).
+  rx, ry), the low words at `8k`, the code word at `512 + 4k` and the raw high words at
+  `512 + 8k` (past a compressed block's end, still inside the stage slot).
 
-  Branch-free, so the loads of all of a step's fragments can be in flight together.
+  Branch-free, so the loads of all of a step's fragments can be in flight together;
+  `_finish_fragment` selects raw or compressed high words.
   """
   lx, ly = _load64(block_ptr, arith.shli(frag, _c(3)))  # low bytes at 8k
-  load_raw = lambda: _load64(block_ptr, arith.addi(arith.shli(frag, _c(3)), _c(512)))
+  rx, ry = _load64(block_ptr, arith.addi(arith.shli(frag, _c(3)), _c(512)))
   code = _load32(block_ptr, arith.addi(arith.shli(frag, _c(2)), _c(512)))
-  return lx, ly, code, (load_raw if lazy_raw else load_raw())
-
-
-def _select_high(hx, hy, raw, slot_byte):
-  """(Hx, Hy): the decoded high words, or a raw block's stored ones. `raw`: the loaded raw words
-  (a select), or a function loading them, run under a branch on the slot byte (warp-uniform: a
-  warp's fragments of one part share their block), so compressed blocks never load them: 2 fewer
-  registers per fragment and 8 of each fragment's 20 loaded bytes (`DecodeConfig(lazy_raw=True)`)."""
-  is_raw = _eq(slot_byte, _c(RAW))
-  if callable(raw):
-    return tuple(_branch(is_raw, 2, raw, lambda: [hx, hy]))
-  rx, ry = raw
-  return arith.select(is_raw, rx, hx), arith.select(is_raw, ry, hy)
+  return lx, ly, code, rx, ry
 
 
 def _decode_high(code, bias_x, bias_y):
@@ -147,17 +135,20 @@ def _decode_high(code, bias_x, bias_y):
   return hx, hy
 
 
-def _finish_fragment(lx, ly, hx, hy):
-  """The 4 BF16 pairs (as i32) [{a0a1}, {a2a3}, {a4a5}, {a6a7}]: high words interleaved with the low words."""
+def _finish_fragment(lx, ly, hx, hy, rx, ry, slot_byte):
+  """The 4 BF16 pairs (as i32) [{a0a1}, {a2a3}, {a4a5}, {a6a7}]: raw or compressed high words by
+  `slot_byte`, interleaved with the low words."""
+  is_raw = _eq(slot_byte, _c(RAW))
+  hx, hy = arith.select(is_raw, rx, hx), arith.select(is_raw, ry, hy)
   lo_sel, hi_sel = _c(0x5140), _c(0x7362)
   return [mu.prmt(lx, hx, lo_sel), mu.prmt(lx, hx, hi_sel), mu.prmt(ly, hy, lo_sel), mu.prmt(ly, hy, hi_sel)]
 
 
-def _decode_fragment(block_ptr, frag, slot_byte, lazy_raw=False):
+def _decode_fragment(block_ptr, frag, slot_byte):
   """Format version 1: slot_byte i32 0..127 (compressed, = b/2) or 0xFF (raw)."""
-  lx, ly, code, raw = _load_words(block_ptr, frag, lazy_raw)
+  lx, ly, code, rx, ry = _load_words(block_ptr, frag)
   bias = arith.muli(slot_byte, _c(0x01010101))
-  return _finish_fragment(lx, ly, *_select_high(*_decode_high(code, bias, bias), raw, slot_byte))
+  return _finish_fragment(lx, ly, *_decode_high(code, bias, bias), rx, ry, slot_byte)
 
 
 def _has_exception(slot_byte):
@@ -208,14 +199,14 @@ def exception_biases(ops, frag, entry, flagged, half_base):
   return pick(word_x), pick(ops.add(word_x, c(1)))
 
 
-def _decode_fragments_v2(parts, lazy_raw=False):
+def _decode_fragments_v2(parts):
   """Version 2: `parts` = [(block_ptr, frag, slot_byte, entry_fn)] of one thread -> their words, flat
   (`entry_fn()` builds the block's exception entry: only the branch that folds exceptions runs it).
 
   The loads of every part are issued first (branch-free); the biases are plain hb unless one of
   the parts' blocks has an exception, under one warp-uniform branch that reads only metadata, so
   it runs while the loads are in flight and the decode itself is version 1's."""
-  loaded = [_load_words(ptr, frag, lazy_raw) for ptr, frag, _, _ in parts]
+  loaded = [_load_words(ptr, frag) for ptr, frag, _, _ in parts]
   half_bases = [arith.andi(slot, _c(FB.MAX_HALF_BASE)) for _, _, slot, _ in parts]
   flagged = [_has_exception(slot) for _, _, slot, _ in parts]
 
@@ -228,8 +219,8 @@ def _decode_fragments_v2(parts, lazy_raw=False):
 
   biases = _branch(functools.reduce(arith.ori, flagged), 2 * len(parts), folded, plain)
   words = []
-  for i, ((_, _, slot, _), (lx, ly, code, raw)) in enumerate(zip(parts, loaded)):
-    words += _finish_fragment(lx, ly, *_select_high(*_decode_high(code, biases[2 * i], biases[2 * i + 1]), raw, slot))
+  for i, ((_, _, slot, _), (lx, ly, code, rx, ry)) in enumerate(zip(parts, loaded)):
+    words += _finish_fragment(lx, ly, *_decode_high(code, biases[2 * i], biases[2 * i + 1]), rx, ry, slot)
   return words
 
 
@@ -334,7 +325,7 @@ def _setup(byte_ref, infos):
   return warp, lane, g, t, mu.memref_ptr(byte_ref), infos
 
 
-def restore_k(byte_ref, infos, *, head_dim, lazy_raw=False):
+def restore_k(byte_ref, infos, *, head_dim):
   """K `[64 tokens, D]` of one step as a register A operand; warp w restores page slot w.
 
   Args:
@@ -362,11 +353,11 @@ def restore_k(byte_ref, infos, *, head_dim, lazy_raw=False):
     if v2:
       return _decode_fragments_v2([(ptrs[j], arith.addi(lane, _c(32 * c)), _slot_byte(kw1, j),
                                     functools.partial(_exception_entry, picked[3], picked[4], j))
-                                   for j in range(nblocks) for c in range(2)], lazy_raw)
+                                   for j in range(nblocks) for c in range(2)])
     words = []
     for j in range(nblocks):
       for c in range(2):
-        words += _decode_fragment(ptrs[j], arith.addi(lane, _c(32 * c)), _slot_byte(kw1, j), lazy_raw)
+        words += _decode_fragment(ptrs[j], arith.addi(lane, _c(32 * c)), _slot_byte(kw1, j))
     return words
 
   def from_tail():  # pair (h, e) of fragment (j, c): token g + 8h, dims 32j + 16c + 8e + 2t (+1)
@@ -377,7 +368,7 @@ def restore_k(byte_ref, infos, *, head_dim, lazy_raw=False):
   return _fragments(_select_slots([(flags, from_bytes(), from_tail)], zero_absent=False), (4 * PAGE, head_dim))
 
 
-def restore_vt(byte_ref, infos, *, head_dim, lazy_raw=False):
+def restore_vt(byte_ref, infos, *, head_dim):
   """V^T `[D, 64 tokens]` of one step as a register A operand (see `restore_k` for the args).
 
   Warp w of M-group m holds dims 64m + 16w + (0..15): block j = 2m + w // 2, tile c = w % 2 of
@@ -404,8 +395,8 @@ def restore_vt(byte_ref, infos, *, head_dim, lazy_raw=False):
         entry_fn = functools.partial(_exception_entry, info[5], info[6], j_dyn) if v2 else None
         parts.append((_gep(slot_ptr, arith.muli(start, _c(UNIT))), frag, hb, entry_fn))
       if v2:
-        return _decode_fragments_v2(parts, lazy_raw)
-      return [w for ptr, frag_, hb, _ in parts for w in _decode_fragment(ptr, frag_, hb, lazy_raw)]
+        return _decode_fragments_v2(parts)
+      return [w for ptr, frag_, hb, _ in parts for w in _decode_fragment(ptr, frag_, hb)]
 
     def from_tail(v_tail=slot_ptr):  # pair (h, e): dim 64m + 16w + g + 8h, tokens 8e + 2t + (0, 1)
       base = arith.addi(arith.shli(arith.addi(arith.shli(warp, _c(4)), g), _c(1)),

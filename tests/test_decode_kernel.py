@@ -55,7 +55,7 @@ def _bf16_sizes(text):
 @pytest.mark.parametrize(
     "variant", [{}, {"stages": 4}, {"timing_probe": "compute"}, {"warp_issue": False}, {"consumer_registers": 168},
                 {"consumer_registers": 232, "warp_issue": False}, {"consumers": 2}, {"consumers": 2, "stages": 4},
-                {"v_after_qk": True}, {"lazy_raw": True}, {"lazy_raw": True, "v_after_qk": True, "consumers": 2}])
+                {"v_after_qk": True}, {"max_registers": 128, "v_after_qk": True}])
 def test_lowers_to_one_mosaic_gpu_kernel_for_an_abstract_h200(compressed, head_dim, group, splits, variant):
   kv_heads = 3 if group == 3 else 2
   k, v = _kv(2, 100, kv_heads, head_dim)
@@ -120,15 +120,14 @@ def test_the_register_cap_hook_installs_once_even_across_a_reload():
   assert core._run_serde_pass is hook  # not wrapped twice (a wrapper calling itself would recurse)
 
 
-@pytest.mark.parametrize("head_dim,group,splits,warp_issue,lazy_raw", [(128, 4, 1, True, False), (64, 3, 2, False, False),
-                                                                      (128, 4, 1, True, True)])
-def test_version_2_cache_lowers_to_one_mosaic_gpu_kernel(head_dim, group, splits, warp_issue, lazy_raw):
+@pytest.mark.parametrize("head_dim,group,splits,warp_issue", [(128, 4, 1, True), (64, 3, 2, False)])
+def test_version_2_cache_lowers_to_one_mosaic_gpu_kernel(head_dim, group, splits, warp_issue):
   """Format version 2: 32-byte page records in the gather, exception patches in both restores."""
   kv_heads = 3 if group == 3 else 2
   k, v = _kv(2, 100, kv_heads, head_dim)
   cache = zf.paged_cache_from_dense(k, v, np.array([100, 37]), version=2)
   q = jnp.zeros((2, kv_heads * group, head_dim), jnp.bfloat16)
-  cfg = da.DecodeConfig(splits=splits, stages=3, warp_issue=warp_issue, lazy_raw=lazy_raw)
+  cfg = da.DecodeConfig(splits=splits, stages=3, warp_issue=warp_issue)
   text = _lower_text(lambda q, c: da._decode_attention(q, c, 0.125, cfg, True), q, cache)
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
 
