@@ -8,17 +8,17 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
-# 1. (2026-12-06, later session) On the H100 every default passed all 14 cases and lazy_raw was no
-# faster (removed); e2e at 8K met issue 7's ratios there (1.335x / 1.374x, 3.20x / 3.17x DtA). Issue 7
-# wants the H200: the whole-H200 budget cannot fit an 80 GB card, so call 1a with needs_h200=true,
-# then the 48 GiB runs at once (needs_h200=false keeps the warm H200; it is released 30 s after a
-# call). One model per call: a three-system run takes ~300 s (rows print their phases' wall seconds).
 # 0. (first, ~4 min) The register cap (DecodeConfig.max_registers: PTX .maxnreg, never run on a GPU):
 # does ptxas honour it (registers <= 128, spills?), is the capped kernel correct, and is format 2 at
 # one consumer with v_after_qk then faster with 2 CTAs/SM (issue 10)? A FAIL rules the cap out; the
 # rest goes on regardless (the cap is off by default).
 timeout -s KILL 120 python3 -m benchmarks.kernel_resources --out "$out/kernel_resources_h200.json" 2>&1 | grep --line-buffered -E "maxnreg|v_after|Error|error"
 timeout -s KILL 330 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{"stages":2,"v_after_qk":true,"max_registers":128},{"stages":3,"max_registers":128}]' --out "$out/fused_kernel_maxnreg_h200.json" 2>&1 | grep --line-buffered -E "PASS|FAIL|cudnn|zipfusion_compressed"
+# 1. (2026-12-06, later session) On the H100 every default passed all 14 cases and lazy_raw was no
+# faster (removed); e2e at 8K met issue 7's ratios there (1.335x / 1.374x, 3.20x / 3.17x DtA). Issue 7
+# wants the H200: the whole-H200 budget cannot fit an 80 GB card, so call 1a with needs_h200=true,
+# then the 48 GiB runs at once (needs_h200=false keeps the warm H200; it is released 30 s after a
+# call). One model per call: a three-system run takes ~300 s (rows print their phases' wall seconds).
 # 1a. The whole H200 less the weights and an 8 GiB reserve, all three systems.
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 560 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --budget-gib whole --steps 256 --out "$out/e2e_llama_8k_whole_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note|memory"
 # 1b. 48 GiB at 8K, all three systems, one model per call.
