@@ -18,7 +18,8 @@ timeout -s KILL 330 python3 -m benchmarks.fused_kernel_check --quick --sweep '[{
 # faster (removed); e2e at 8K met issue 7's ratios there (1.335x / 1.374x, 3.20x / 3.17x DtA). Issue 7
 # wants the H200: the whole-H200 budget cannot fit an 80 GB card, so call 1a with needs_h200=true,
 # then the 48 GiB runs at once (needs_h200=false keeps the warm H200; it is released 30 s after a
-# call). One model per call: a three-system run takes ~300 s (rows print their phases' wall seconds).
+# call). One model per call: a three-system run takes ~300 s (rows print their phases' wall seconds);
+# a system cut by the limit reruns alone with --systems (the whole-H200 batches are ~2x larger).
 # 1a. The whole H200 less the weights and an 8 GiB reserve, all three systems.
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 560 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --budget-gib whole --steps 256 --out "$out/e2e_llama_8k_whole_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note|memory"
 # 1b. 48 GiB at 8K, all three systems, one model per call.
