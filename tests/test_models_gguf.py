@@ -54,6 +54,10 @@ def test_greedy_generation_is_known_good(smollm):
   gen = generate(smollm.params, smollm.config, [PROMPT_IDS], 8, eos_ids=smollm.tokenizer.eos_ids)
   assert gen.token_ids == [GREEDY_8]
   assert smollm.tokenizer.decode(GREEDY_8) == " Paris.\n\nThe answer is:"
+  # Sampling hot enough to wander, restricted to the one most likely token: greedy again.
+  hot = generate(smollm.params, smollm.config, [PROMPT_IDS], 8, eos_ids=smollm.tokenizer.eos_ids, temperature=5.0,
+                 top_k=1, seed=3)
+  assert hot.token_ids == [GREEDY_8]
 
 
 def test_kvstats_on_real_kv(smollm):
