@@ -338,7 +338,6 @@ def main(argv=None):
   p.add_argument("--out", type=pathlib.Path, default=None)
   a = p.parse_args(argv)
   knobs = tuple(sorted(a.decode_knobs.items()))
-  curve = a.batch_curve
   rows = []
   for name in a.models.split(","):
     config = get_config(name)
@@ -359,7 +358,7 @@ def main(argv=None):
     for context, slots, budget, setting in settings:
       for system in a.systems.split(","):
         try:
-          row = run_system(config, params, system, context, a.steps, a.warmup, slots, budget, knobs, curve)
+          row = run_system(config, params, system, context, a.steps, a.warmup, slots, budget, knobs, a.batch_curve)
         except jax.errors.JaxRuntimeError as e:  # one system out of device memory must not end the run
           if "RESOURCE_EXHAUSTED" not in str(e):
             raise

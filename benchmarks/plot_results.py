@@ -169,9 +169,10 @@ def main(argv=None) -> None:
   if a.e2e is None:
     found = [r for r in [_load("e2e_h200.json")] if r is not None]
   else:
-    found = [_load(name) for name in a.e2e.split(",") if name]
+    names = [name for name in a.e2e.split(",") if name]
+    found = [_load(name) for name in names]
     if None in found:
-      missing = [n for n, r in zip(a.e2e.split(","), found) if r is None]
+      missing = [n for n, r in zip(names, found) if r is None]
       p.error(f"--e2e: no such results file: {', '.join(missing)}")
   if found:
     e2e = merge_e2e(found)

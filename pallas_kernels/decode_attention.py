@@ -117,8 +117,8 @@ class DecodeConfig:
       raise ValueError(f"{self.stages=} must be in [1, 4]")
     if self.consumer_registers and (self.consumer_registers % 8 or not 64 <= self.consumer_registers <= 256):
       raise ValueError(f"{self.consumer_registers=} must be 0 or a multiple of 8 in [64, 256]")
-    if self.max_registers and (self.max_registers % 8 or not 64 <= self.max_registers <= 248):
-      raise ValueError(f"{self.max_registers=} must be 0 or a multiple of 8 in [64, 248]")
+    if self.max_registers:  # 0: no cap
+      RC.check_count(self.max_registers)
     if self.max_registers and self.consumer_registers:  # setmaxnreg past the cap could wait forever
       raise ValueError("max_registers and consumer_registers are alternatives: set one of them")
     if self.timing_probe not in ("", "copies", "compute"):

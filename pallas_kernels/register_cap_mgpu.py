@@ -38,11 +38,16 @@ _INSTALLED = "_zipfusion_register_cap"  # attribute that marks the installed wra
 _install_lock = threading.Lock()
 
 
+def check_count(count: int) -> None:
+  """A `.maxnreg` this module accepts: a multiple of 8 in [64, 248]."""
+  if count % 8 or not 64 <= count <= 248:
+    raise ValueError(f"max_registers={count} must be a multiple of 8 in [64, 248]")
+
+
 def request_max_registers(count: int) -> None:
   """Mark the Mosaic GPU kernel being lowered (the current insertion point lies in its
   `gpu.launch`) for `.maxnreg count`, and install the serialization hook that applies it."""
-  if count % 8 or not 64 <= count <= 248:
-    raise ValueError(f"max registers {count} must be a multiple of 8 in [64, 248]")
+  check_count(count)
   install()
   op = ir.InsertionPoint.current.block.owner.operation
   while op is not None and op.name != "gpu.launch":

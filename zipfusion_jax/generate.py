@@ -56,12 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.error("--max-new-tokens must be >= 0")
   if args.max_batch < 1:
     p.error("--max-batch must be >= 1")
-  if args.temperature < 0:
-    p.error("--temperature must be >= 0")
-  if args.top_k < 0:
-    p.error("--top-k must be >= 0")
-  if not 0 < args.top_p <= 1:
-    p.error("--top-p must be in (0, 1]")
+  from models.sampling import Sampling  # here: `--help` and argparse's own errors need no jax
+
+  try:  # --temperature, --top-k, --top-p: the sampler's own checks, as usage errors
+    Sampling(args.temperature, args.top_k, args.top_p)
+  except ValueError as e:
+    p.error(str(e))
   if args.random_weights and (args.gguf or args.safetensors):
     p.error("--random-weights goes with --model")
   return args
