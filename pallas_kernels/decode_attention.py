@@ -85,8 +85,8 @@ class DecodeConfig:
       consumer then waits on every phase of its own stages' barriers). Each consumer reduces over
       tokens through its own SMEM scratch (`_reduce_over_tokens`): with Pallas's CTA-wide reduction
       scratch the two raced (wrong outputs in 9 of 14 cases, H100, 2026-12-06); fixed, correct in
-      all 14 cases (H100 and H200, 2026-12-06). The heuristic's
-      choice for format version 2.
+      all 14 cases (H100 and H200, 2026-12-06). Format version 2's default until the register
+      cap (below) beat it.
     v_after_qk: restore V^T only once S^T = K Q^T is done (K's 32 operand registers are then
       dead) instead of while that wgmma runs: less overlap, a lower register peak (a way for one
       consumer to fit ptxas's 128 again: 122 registers at 2 stages, H100, 2026-12-06, and 2 CTAs
@@ -94,8 +94,10 @@ class DecodeConfig:
     max_registers: cap ptxas at this many registers per thread (PTX `.maxnreg`, through
       `register_cap_mgpu`: Mosaic GPU has no option for it); with one consumer (256 threads),
       128 lets two CTAs share an SM whatever ptxas would pick (format 2 with `v_after_qk` needs
-      131-133). Not with `consumer_registers`. 0 (default): no cap. Experimental: lowers (CPU,
-      abstract H200), not yet run on a GPU (2026-12-06).
+      131-133). Not with `consumer_registers`. 0: no cap. H100, 2026-12-06 (later): ptxas honours
+      it (format 2 `v_after_qk` 131 -> 114 registers), correct in all 14 `--quick` cases for
+      both formats, and format 2 at 2 stages goes to 73.4 us at 32 x 2048 (81.7 with two
+      consumers): the heuristic's choice for format version 2 (128).
     timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
       waits for and releases each stage (the producer's copy rate), "compute" = the producer
       issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
@@ -148,17 +150,19 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool
   * Format version 1: one consumer, V^T restored after the QK wgmma (`v_after_qk`), 2 stages:
     122 registers (ptxas), so 2 CTAs per SM again; 76.7 / 78.6 us, against 80.2 / 83.3 for
     the overlapped restore at 3 stages (163 registers, one CTA per SM).
-  * Format version 2: two consumers, 4 stages (157 registers, one 384-thread CTA per SM):
-    83.6 / 80.0 us, against 86.4 / 88.5 for one consumer at 3 stages (175 registers) and
-    88.4 / 93.2 with `v_after_qk` at 2.
-  On the H200 (same day): format 1 53.4 / 56.6 us (cuDNN 62.5 / 65.3; 62.2 / 66.2 at 3 stages),
-  format 2 63.9 / 59.1 us (83.4 / 85.1 at one consumer, 3 stages).
-  `consumers` overrides the store's choice (1 or 2; None = the store's). Two consumers share
+  * Format version 2: like version 1, with ptxas capped at 128 registers (`max_registers`;
+    131 uncapped, 114 capped, no spill cost seen) so 2 CTAs share an SM: 73.4 / 76.7 us
+    (H100, 2026-12-06, later; format 1 74.2 / 76.6, cuDNN 88.9 / 91.1 in that run), against
+    81.7 / 77.4 for two consumers at 4 stages (157 registers, one 384-thread CTA per SM), 86.4 /
+    88.5 for one consumer at 3 stages (175 registers) and 88.4 / 93.2 uncapped `v_after_qk`.
+  On the H200 (2026-12-06, morning): format 1 53.4 / 56.6 us (cuDNN 62.5 / 65.3; 62.2 / 66.2 at
+  3 stages), format 2 with two consumers 63.9 / 59.1 us (83.4 / 85.1 at one consumer, 3 stages).
+  `consumers` overrides the one-consumer choice (1 or 2; None = 1). Two consumers share
   one CTA, so the grid then targets one CTA per SM, and the ring is 4 deep for 12-bit pages
   (each consumer owns 2 stages; ~157 KB of SMEM at D = 128), 2 for BF16 pages.
   """
   if consumers is None:
-    consumers = 2 if compressed and version >= 2 else 1
+    consumers = 1
   ctas = batch * kv_heads
   steps = -(-max(max_pages, 1) // STEP_PAGES)
   slots = (CTAS_PER_SM if consumers == 1 else 1) * NUM_SMS
@@ -167,6 +171,8 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool
     splits *= 2
   if consumers == 2:
     return DecodeConfig(splits=splits, stages=4 if compressed else 2, consumers=2)
+  if compressed and version >= 2:  # 131 registers uncapped: capped at 128, two CTAs share an SM
+    return DecodeConfig(splits=splits, stages=2, v_after_qk=True, max_registers=128)
   return DecodeConfig(splits=splits, stages=2, v_after_qk=compressed)
 
 

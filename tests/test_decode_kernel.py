@@ -10,6 +10,7 @@ the HLO structure, the split combine, the heuristic.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import chex
@@ -268,12 +269,14 @@ def test_heuristic_fills_the_gpu_without_tiny_splits(batch, kv_heads, max_pages,
   # format 1: V^T restored after the QK wgmma (122 registers: still 2 CTAs per SM, same splits)
   v1 = da.heuristic_config(batch, kv_heads, max_pages, compressed=True)
   assert (v1.stages, v1.consumers, v1.v_after_qk, v1.splits) == (2, 1, True, splits)
-  # format 2 (and any explicit consumers=2): two consumers, one CTA per SM, so never more splits
+  # format 2: format 1's layout with ptxas capped at 128 registers (131 uncapped), so 2 CTAs per SM
   v2 = da.heuristic_config(batch, kv_heads, max_pages, compressed=True, version=2)
-  two = da.heuristic_config(batch, kv_heads, max_pages, compressed=True, consumers=2)
-  assert v2 == two and (two.consumers, two.stages) == (2, 4) and two.splits <= splits
+  assert v2 == dataclasses.replace(v1, max_registers=128)
+  # an explicit consumers=2: one CTA per SM, so never more splits
+  two = da.heuristic_config(batch, kv_heads, max_pages, compressed=True, version=2, consumers=2)
+  assert two == da.heuristic_config(batch, kv_heads, max_pages, compressed=True, consumers=2)
+  assert (two.consumers, two.stages, two.max_registers) == (2, 4, 0) and two.splits <= splits
   assert two.splits == 1 or -(-max_pages // da.STEP_PAGES) / two.splits >= 4
-  assert da.heuristic_config(batch, kv_heads, max_pages, compressed=True, version=2, consumers=1).consumers == 1
 
 
 def test_config_validates():
@@ -343,6 +346,6 @@ def test_the_kernel_makes_no_pallas_cross_warp_reduction(compressed, consumers):
 def test_default_config_is_the_heuristic_for_the_caches_store():
   k, v = _kv(2, 100, 2, 128)
   lengths = np.array([100, 37])
-  for kwargs, consumers, v_after_qk in (({"compressed": False}, 1, False), ({}, 1, True), ({"version": 2}, 2, False)):
+  for kwargs, want in (({"compressed": False}, (1, False, 0)), ({}, (1, True, 0)), ({"version": 2}, (1, True, 128))):
     cfg = da.default_config(zf.paged_cache_from_dense(k, v, lengths, **kwargs))
-    assert (cfg.consumers, cfg.v_after_qk) == (consumers, v_after_qk), kwargs
+    assert (cfg.consumers, cfg.v_after_qk, cfg.max_registers) == want, kwargs

@@ -423,10 +423,10 @@ def test_decode_knobs_override_the_heuristic_config_for_the_geometry():
   assert config == DecodeConfig(splits=want.splits, stages=4, consumers=2) and config.splits > 1
   bf16 = PagedBackend(cfg, attention="decompress_then_attend", decode_knobs=(("v_after_qk", True),))
   assert bf16.attention_kwargs()["config"].stages == heuristic_config(2, 2, 64, False).stages  # BF16 pages' depth
-  # the store's own consumer layout under knobs that do not name one: format 2 -> two consumers
+  # the store's own config under knobs that do not name its fields: format 2 -> the register cap
   v2 = PagedBackend(dataclasses.replace(cfg, format_version=2), decode_knobs=(("warp_issue", True),))
   assert v2.attention_kwargs()["config"] == heuristic_config(2, 2, 64, True, version=2)
-  assert v2.attention_kwargs()["config"].consumers == 2
+  assert v2.attention_kwargs()["config"].max_registers == 128
   with pytest.raises(TypeError, match="wrap"):
     PagedBackend(cfg, decode_knobs=(("wrap", 1),))
   with pytest.raises(ValueError, match="multiple"):
