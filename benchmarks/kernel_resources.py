@@ -40,15 +40,16 @@ VARIANTS = {  # name -> (cache, DecodeConfig knobs)
     # one consumer, V^T restored after the QK wgmma: does the peak drop to <= 128 (two CTAs per SM)?
     "format1_v_after_qk_stages2": ("comp", {"stages": 2, "v_after_qk": True}),
     "format1_v_after_qk_stages3": ("comp", {"stages": 3, "v_after_qk": True}),
-    # format 2 with V^T after QK (slower than two consumers on 2026-12-06: above 128 registers?)
+    # format 2 with V^T after QK: 131 registers uncapped (H100, 2026-12-06), so one CTA per SM
     "format2_v_after_qk_stages2": ("comp2", {"stages": 2, "v_after_qk": True}),
-    # ptxas capped at 128 (PTX .maxnreg, register_cap_mgpu): does the cap take, and what does it spill?
+    # ptxas capped at 128 (PTX .maxnreg, register_cap_mgpu): 114 for format 2 (H100, 2026-12-06); spills?
     "format2_v_after_qk_stages2_maxnreg128": ("comp2", {"stages": 2, "v_after_qk": True, "max_registers": 128}),
     "format1_stages3_maxnreg128": ("comp", {"stages": 3, "max_registers": 128}),
     "format2_stages3_maxnreg128": ("comp2", {"stages": 3, "max_registers": 128}),
 }
 REGISTERS = re.compile(r"Used (\d+) registers")
 SMEM = re.compile(r"(\d+) bytes smem|smem[^0-9\n]{0,24}(\d+)", re.IGNORECASE)
+SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
 def parse_dump(text: str) -> tuple[int | None, int | None]:
@@ -58,6 +59,13 @@ def parse_dump(text: str) -> tuple[int | None, int | None]:
   return (max(regs) if regs else None), (max(smem) if smem else None)
 
 
+def parse_spills(text: str) -> tuple[int | None, int | None]:
+  """(spill store bytes, spill load bytes) from ptxas's function properties, the largest of each
+  seen (a capped kernel pays for its cap here); None where ptxas printed none."""
+  found = [(int(a), int(b)) for a, b in SPILLS.findall(text)]
+  return (max(a for a, _ in found), max(b for _, b in found)) if found else (None, None)
+
+
 def compile_with_dumps(name: str, build, dump_root: pathlib.Path) -> dict:
   """Compile `build()` (a lowered jit); the dump files it adds under `dump_root` are its own."""
   before = set(dump_root.rglob("*"))
@@ -65,7 +73,9 @@ def compile_with_dumps(name: str, build, dump_root: pathlib.Path) -> dict:
   files = sorted(p for p in set(dump_root.rglob("*")) - before if p.is_file())
   text = "\n".join(p.read_text(errors="replace") for p in files)
   registers, smem = parse_dump(text)
-  row = {"variant": name, "registers": registers, "smem_bytes": smem, "dump_files": [p.name for p in files]}
+  spill_stores, spill_loads = parse_spills(text)
+  row = {"variant": name, "registers": registers, "smem_bytes": smem, "spill_store_bytes": spill_stores,
+         "spill_load_bytes": spill_loads, "dump_files": [p.name for p in files]}
   if registers is None:
     row["dump_head"] = text[:2000]
   return row
@@ -100,8 +110,8 @@ def main(argv=None):
     except Exception as e:  # one variant that does not compile must not hide the others
       row = {"variant": name, "error": repr(e)[:500]}
     rows.append(row)
-    print(f"{name:18s} registers {row.get('registers')}  smem {row.get('smem_bytes')}  "
-          f"files {len(row.get('dump_files', []))}", flush=True)
+    print(f"{name:18s} registers {row.get('registers')}  smem {row.get('smem_bytes')}  spills "
+          f"{row.get('spill_store_bytes')}/{row.get('spill_load_bytes')}  files {len(row.get('dump_files', []))}", flush=True)
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "date": datetime.date.today().isoformat(), "batch": args.batch, "context": args.context, "rows": rows}
   path = pathlib.Path(args.out)
