@@ -69,6 +69,12 @@ class CompressConfig:
       `single_pass_diagnostics` reports it; keep 0 for real use.
     scalar_look_back: single pass: read one predecessor state per probe with a scalar atomic
       instead of a window of volatile loads (one per thread); slower (more probes), kept as the A/B.
+    look_back_states: single pass: predecessor states each thread reads per probe (power of two),
+      so a probe covers 32 * num_warps * look_back_states tiles. The chain moves about one window
+      per probe latency, so with one state per thread a 1-warp program caps the tile rate at
+      ~32 / (L2 latency): 264 tiles/us measured at 1-group tiles (H100, 2026-12-06), the bound
+      of every single-pass variant. More states per thread widen the window without the
+      cross-warp reductions of more warps.
   """
 
   single_pass: bool = False
@@ -77,9 +83,10 @@ class CompressConfig:
   num_warps: int = 4
   max_probes: int = 0
   scalar_look_back: bool = False
+  look_back_states: int = 1
 
   def __post_init__(self):
-    for name in ("plan_blocks", "tile_groups"):
+    for name in ("plan_blocks", "tile_groups", "look_back_states"):
       v = getattr(self, name)
       if v <= 0 or v & (v - 1):
         raise ValueError(f"{name}={v} must be a power of two")
@@ -192,16 +199,17 @@ def _pack_kernel(*refs, version: int):
 FLAG_AGGREGATE, FLAG_INCLUSIVE = 1, 2  # look-back states; value << 2 | flag, 0 = not yet
 
 
-def look_back_window(num_warps: int) -> int:
-  """Predecessor states read per look-back probe: exactly one per thread of the program.
+def look_back_window(num_warps: int, states_per_thread: int = 1) -> int:
+  """Predecessor states read per look-back probe: `states_per_thread` per thread of the program.
 
   A racy read (other tiles post while we look) must be made once per state: were the window
   smaller than the program, Triton would replicate it across warps, each warp would read at its
   own moment, and warps could disagree on whether the window is complete, so their loop trip
-  counts (and the barriers of the reductions inside) would diverge. One state per thread makes
-  every reduction cross-warp (through SMEM), so all threads see one answer.
+  counts (and the barriers of the reductions inside) would diverge. A whole number of states per
+  thread (the window a multiple of the program's threads) gives every state to exactly one
+  thread, and every reduction over the window is program-wide, so all threads see one answer.
   """
-  return 32 * num_warps
+  return 32 * num_warps * states_per_thread
 
 
 LOOK_BACK = look_back_window(4)  # the window at the default 4 warps
@@ -340,7 +348,7 @@ def _single_pass(bits2d, num_blocks: int, config, interpret):
   tiles = groups // config.tile_groups
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   params = pltr.CompilerParams(num_warps=config.num_warps)
-  window = 1 if config.scalar_look_back else look_back_window(config.num_warps)
+  window = 1 if config.scalar_look_back else look_back_window(config.num_warps, config.look_back_states)
   payload, meta, offsets, ticket, state, probes = pl.pallas_call(
       functools.partial(_single_pass_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, window=window,
                         max_probes=config.max_probes),

@@ -41,7 +41,8 @@ def test_bytes_equal_reference_for_any_block_count(n):
 @pytest.mark.parametrize(
     "config",
     [CompressConfig(single_pass=True), CompressConfig(single_pass=True, tile_groups=4),
-     CompressConfig(single_pass=True, tile_groups=1, scalar_look_back=True), CompressConfig(plan_blocks=4)],
+     CompressConfig(single_pass=True, tile_groups=1, scalar_look_back=True), CompressConfig(plan_blocks=4),
+     CompressConfig(single_pass=True, tile_groups=1, num_warps=1, look_back_states=4)],
 )
 def test_retuned_configs_give_the_same_bytes(config):
   x = _mixed_blocks(200, seed=7)
@@ -62,6 +63,8 @@ def test_config_validation_and_heuristic():
     CompressConfig(tile_groups=3)
   with pytest.raises(ValueError, match="num_warps"):
     CompressConfig(num_warps=3)
+  with pytest.raises(ValueError, match="look_back_states"):
+    CompressConfig(look_back_states=6)
   assert heuristic_config(1000) == CompressConfig()
 
 
@@ -72,6 +75,7 @@ H200 = AbstractMesh(
 
 
 @pytest.mark.parametrize("config,version", [(CompressConfig(), 1), (CompressConfig(single_pass=True), 1),
+                                            (CompressConfig(single_pass=True, num_warps=1, look_back_states=8), 1),
                                             (CompressConfig(), 2)])
 def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config, version):
   def f(x):
@@ -124,8 +128,10 @@ def test_version_2_kernel_on_every_pattern_as_the_exception():
     _assert_same(compress_pallas(x, interpret=True, version=2), zf.compress(x, version=2))
 
 
-@pytest.mark.parametrize("t,inclusive_at", [(1, None), (31, None), (32, None), (33, None), (100, None), (100, 40), (100, 98)])
-def test_look_back_sums_aggregates_across_windows_back_to_the_newest_inclusive_prefix(t, inclusive_at):
+@pytest.mark.parametrize("window", [128, 256])  # 4 warps x 1 state (the default), 1 warp x 8
+@pytest.mark.parametrize("t,inclusive_at", [(1, None), (31, None), (32, None), (33, None), (100, None), (100, 40), (100, 98),
+                                            (300, None), (300, 44)])
+def test_look_back_sums_aggregates_across_windows_back_to_the_newest_inclusive_prefix(t, inclusive_at, window):
   """`_look_back` as tile t sees a state array where its predecessors posted aggregates only
   (tile 0 is always inclusive) or, from `inclusive_at`, an inclusive prefix; entries past t hold
   posts of later tiles, which must be ignored. Interpret-mode runs of the whole kernel always find
@@ -133,7 +139,7 @@ def test_look_back_sums_aggregates_across_windows_back_to_the_newest_inclusive_p
   from pallas_kernels import compress as C
 
   rng = np.random.default_rng(t)
-  sizes = rng.integers(12, 17, t + C.LOOK_BACK + 8)
+  sizes = rng.integers(12, 17, t + window + 8)
   flags = np.full(sizes.shape, C.FLAG_AGGREGATE)
   flags[0] = C.FLAG_INCLUSIVE
   values = sizes.copy()
@@ -143,7 +149,7 @@ def test_look_back_sums_aggregates_across_windows_back_to_the_newest_inclusive_p
   state = jnp.asarray((values << 2) | flags, jnp.int32)
 
   def kernel(state_ref, out_ref):
-    out_ref[0] = C._look_back(state_ref, jnp.int32(t), jnp.int32(0))[0]
+    out_ref[0] = C._look_back(state_ref, jnp.int32(t), jnp.int32(0), window)[0]
 
   got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), interpret=True,
                        in_specs=[pl.BlockSpec(memory_space=pl.ANY)], out_specs=pl.BlockSpec(memory_space=pl.ANY))(state)
