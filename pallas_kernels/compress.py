@@ -12,12 +12,13 @@ entry) and the pack kernel writes the exception's code with d = 0.
 blocks from HBM once (one vector load), decides their rules and in-tile offsets
 with vector reductions, posts the tile's size, finds its payload offset by a
 decoupled look-back over earlier tiles (a ticket counter hands out tiles in
-launch order, so waiting cannot deadlock; each probe reads one predecessor's
-state per thread, read with volatile loads), then re-reads each block (L2) and writes it with
+launch order, so waiting cannot deadlock; each probe reads `look_back_states`
+predecessor states per thread, with volatile loads), then re-reads each block (L2) and writes it with
 unrolled, independent stores; a write-only kernel zeroes the tail. Version 1 only. Correct on
 the H100 and the H200 (2026-12-05: bytes == reference, 1 GiB round trip bit-exact) but slower
-than two-pass there (H200, 1 GiB: 0.99 ms at best vs 0.84 ms): the look-back chain, not HBM,
-bounds it (benchmarks/RESULTS.md). Its first GPU runs hung: the window was read with a vector
+than two-pass there (H200, 1 GiB: 0.99 ms at best vs 0.84 ms; with the strided tail zeroing it
+ties two-pass on the H100, 1.08 vs 1.11 ms, 2026-12-06): the look-back chain, not HBM, bounds it
+(benchmarks/RESULTS.md). Its first GPU runs hung: the window was read with a vector
 atomic add of zeros, which erased the posted states on the GPU (interpret mode never showed it).
 
 Backend: Pallas Triton. Placement of variable-size blocks needs scalar
