@@ -90,7 +90,7 @@ class DecodeConfig:
     v_after_qk: restore V^T only once S^T = K Q^T is done (K's 32 operand registers are then
       dead) instead of while that wgmma runs: less overlap, a lower register peak (a way for one
       consumer to fit ptxas's 128 again: 122 registers at 2 stages, H100, 2026-12-06, and 2 CTAs
-      per SM; correct there in all 14 cases). The heuristic's choice for format version 1.
+      per SM; correct there in all 14 cases). The heuristic's choice for both formats (version 2 also capped).
     max_registers: cap ptxas at this many registers per thread (PTX `.maxnreg`, through
       `register_cap_mgpu`: Mosaic GPU has no option for it); with one consumer (256 threads),
       128 lets two CTAs share an SM whatever ptxas would pick (format 2 with `v_after_qk` needs
