@@ -71,11 +71,11 @@ class CompressConfig:
     scalar_look_back: single pass: read one predecessor state per probe with a scalar atomic
       instead of a window of volatile loads (one per thread); slower (more probes), kept as the A/B.
     look_back_states: single pass: predecessor states each thread reads per probe (power of two),
-      so a probe covers 32 * num_warps * look_back_states tiles. The chain moves about one window
-      per probe latency, so with one state per thread a 1-warp program caps the tile rate at
-      ~32 / (L2 latency): 264 tiles/us measured at 1-group tiles (H100, 2026-12-06), the bound
-      of every single-pass variant. More states per thread widen the window without the
-      cross-warp reductions of more warps.
+      so a probe covers 32 * num_warps * look_back_states tiles. Every single-pass variant moves
+      1 GiB in 1.0-1.2 ms whatever its tile size (H100, 2026-12-06), 1.5x the two-pass pack
+      kernel's time per byte: a tile spends most of its life spinning through probes (~16 at one
+      state per thread), holding one of the SM's program slots and no loads in flight. More
+      states per thread cut the probes without the cross-warp reductions of more warps.
   """
 
   single_pass: bool = False
