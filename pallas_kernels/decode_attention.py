@@ -132,7 +132,7 @@ class DecodeConfig:
 
 
 def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool = False,
-                     consumers: int | None = None, version: int = 1) -> DecodeConfig:
+                     consumers: int = 1, version: int = 1) -> DecodeConfig:
   """Pick splits so the grid about fills every CTA slot while each split keeps >= 4 steps, and
   the consumer layout and ring depth by store.
 
@@ -157,12 +157,10 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool
     88.5 for one consumer at 3 stages (175 registers) and 88.4 / 93.2 uncapped `v_after_qk`.
   On the H200 (2026-12-06, morning): format 1 53.4 / 56.6 us (cuDNN 62.5 / 65.3; 62.2 / 66.2 at
   3 stages), format 2 with two consumers 63.9 / 59.1 us (83.4 / 85.1 at one consumer, 3 stages).
-  `consumers` overrides the one-consumer choice (1 or 2; None = 1). Two consumers share
+  `consumers`: 1 (every store's choice) or 2. Two consumers share
   one CTA, so the grid then targets one CTA per SM, and the ring is 4 deep for 12-bit pages
   (each consumer owns 2 stages; ~157 KB of SMEM at D = 128), 2 for BF16 pages.
   """
-  if consumers is None:
-    consumers = 1
   ctas = batch * kv_heads
   steps = -(-max(max_pages, 1) // STEP_PAGES)
   slots = (CTAS_PER_SM if consumers == 1 else 1) * NUM_SMS
@@ -171,9 +169,9 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool
     splits *= 2
   if consumers == 2:
     return DecodeConfig(splits=splits, stages=4 if compressed else 2, consumers=2)
-  if compressed and version >= 2:  # 131 registers uncapped: capped at 128, two CTAs share an SM
-    return DecodeConfig(splits=splits, stages=2, v_after_qk=True, max_registers=128)
-  return DecodeConfig(splits=splits, stages=2, v_after_qk=compressed)
+  # Format 2 needs 131 registers uncapped: capped at 128, two CTAs share an SM.
+  cap = 128 if compressed and version >= 2 else 0
+  return DecodeConfig(splits=splits, stages=2, v_after_qk=compressed, max_registers=cap)
 
 
 def default_config(cache: PagedKVCache) -> DecodeConfig:

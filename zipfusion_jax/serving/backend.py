@@ -100,7 +100,7 @@ class PagedBackend:
     knobs, c = dict(self.decode_knobs), self.cfg
     pages_compressed = c.compressed and self.attention == "fused"  # decompress-then-attend reads BF16 pages
     base = heuristic_config(c.num_slots, c.num_kv_heads, c.max_pages, pages_compressed,
-                            consumers=knobs.get("consumers"), version=c.format_version)
+                            consumers=knobs.get("consumers", 1), version=c.format_version)
     return {"config": dataclasses.replace(base, **knobs)}
 
   @property
