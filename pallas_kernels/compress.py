@@ -14,7 +14,9 @@ with vector reductions, posts the tile's size, finds its payload offset by a
 decoupled look-back over earlier tiles (a ticket counter hands out tiles in
 launch order, so waiting cannot deadlock; each probe reads `look_back_states`
 predecessor states per thread, with volatile loads), then re-reads each block (L2) and writes it with
-unrolled, independent stores; a write-only kernel zeroes the tail. Version 1 only. Correct on
+unrolled, independent stores; a write-only kernel zeroes the tail. Version 1 only. With
+`ordered=False` a tile takes its offset from one atomic fetch-and-add instead (groups land in
+arrival order, which the format allows; `codec.canonical_order` gives the reference's bytes). Correct on
 the H100 and the H200 (2026-12-05: bytes == reference, 1 GiB round trip bit-exact) but slower
 than two-pass there (H200, 1 GiB: 0.99 ms at best vs 0.84 ms; with the strided tail zeroing it
 ties two-pass on the H100, 1.08 vs 1.11 ms, 2026-12-06): the look-back chain, not HBM, bounds it
@@ -76,6 +78,12 @@ class CompressConfig:
       kernel's time per byte: a tile spends most of its life spinning through probes (~16 at one
       state per thread), holding one of the SM's program slots and no loads in flight. More
       states per thread cut the probes without the cross-warp reductions of more warps.
+    ordered: single pass: True places groups in block order (the reference's bytes; the look-back
+      above). False places each tile where one atomic fetch-and-add on a unit counter says, in
+      the order tiles get there: no look-back, so no tile waits on another. The format allows it
+      (every group's offset is its own, docs/FORMAT.md §6: any non-overlapping order is valid);
+      the stream decodes to the same bits and `codec.canonical_order` turns it into the
+      reference's bytes, but which offset a group gets changes from run to run on a GPU.
   """
 
   single_pass: bool = False
@@ -85,6 +93,7 @@ class CompressConfig:
   max_probes: int = 0
   scalar_look_back: bool = False
   look_back_states: int = 1
+  ordered: bool = True
 
   def __post_init__(self):
     for name in ("plan_blocks", "tile_groups", "look_back_states"):
@@ -93,6 +102,8 @@ class CompressConfig:
         raise ValueError(f"{name}={v} must be a power of two")
     if self.num_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
+    if not self.ordered and not self.single_pass:
+      raise ValueError("ordered=False is a placement of the single-pass kernel (single_pass=True)")
     if self.max_probes < 0:
       raise ValueError(f"max_probes={self.max_probes} must be >= 0 (0: unbounded)")
 
@@ -267,7 +278,8 @@ def _look_back(state_ref, t, first, window: int = LOOK_BACK, max_probes: int = 0
 
 
 def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref, meta_ref, offset_ref, ticket_ref,
-                        state_ref, probes_ref, *, num_blocks: int, tile_groups: int, window: int, max_probes: int):
+                        state_ref, probes_ref, *, num_blocks: int, tile_groups: int, window: int, max_probes: int,
+                        ordered: bool = True):
   # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array; the pack layout of the blocks)
   # blocks_ref:  uint16 [groups * 4, 512] (whole array; the same bytes, one block per row)
   # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
@@ -281,20 +293,26 @@ def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref
   # vector reductions, posts its size, sums its predecessors' sizes (`_look_back`), then re-reads
   # each block (L2) and writes it: every load and store of the tile is independent, so they
   # are all in flight together.
+  #
+  # Unordered (`ordered=False`): tile t is program t, and `ticket_ref` counts units in use: one
+  # fetch-and-add gives the tile its offset (state_ref and probes_ref stay zero).
   n = tile_groups * B.BLOCKS_PER_GROUP
-  t = pltr.atomic_add(ticket_ref, (jnp.int32(0),), jnp.int32(1))
+  t = pltr.atomic_add(ticket_ref, (jnp.int32(0),), jnp.int32(1)) if ordered else pl.program_id(0)
   b0 = t * n
   present = b0 + jax.lax.broadcasted_iota(jnp.int32, (n,), 0) < num_blocks
   meta = jnp.where(present, B.block_meta_byte(*B.block_half_base(blocks_ref[pl.ds(b0, n), :])), B.META_ABSENT)
   units, starts = _tile_sizes(meta)
   size = jnp.sum(units)
   meta_ref[pl.ds(b0, n)] = meta
-  first = (t == 0).astype(jnp.int32)
-  posted = (size << 2) | (FLAG_AGGREGATE + first)  # tile 0's size is its inclusive prefix
-  pltr.atomic_add(state_ref, (t,), posted)  # from 0 (adds: interpret mode has no exchange)
-  excl, probes = _look_back(state_ref, t, first, window, max_probes)
-  probes_ref[t] = probes
-  pltr.atomic_add(state_ref, (t,), (((excl + size) << 2) | FLAG_INCLUSIVE) - posted)
+  if ordered:
+    first = (t == 0).astype(jnp.int32)
+    posted = (size << 2) | (FLAG_AGGREGATE + first)  # tile 0's size is its inclusive prefix
+    pltr.atomic_add(state_ref, (t,), posted)  # from 0 (adds: interpret mode has no exchange)
+    excl, probes = _look_back(state_ref, t, first, window, max_probes)
+    probes_ref[t] = probes
+    pltr.atomic_add(state_ref, (t,), (((excl + size) << 2) | FLAG_INCLUSIVE) - posted)
+  else:
+    excl = pltr.atomic_add(ticket_ref, (jnp.int32(0),), size)
 
   group_of = jax.lax.broadcasted_iota(jnp.int32, (tile_groups, n), 0)
   in_earlier = jax.lax.broadcasted_iota(jnp.int32, (tile_groups, n), 1) < B.BLOCKS_PER_GROUP * group_of
@@ -352,7 +370,7 @@ def _single_pass(bits2d, num_blocks: int, config, interpret):
   window = 1 if config.scalar_look_back else look_back_window(config.num_warps, config.look_back_states)
   payload, meta, offsets, ticket, state, probes = pl.pallas_call(
       functools.partial(_single_pass_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, window=window,
-                        max_probes=config.max_probes),
+                        max_probes=config.max_probes, ordered=config.ordered),
       grid=(tiles,),
       in_specs=[any_spec] * 4,  # bits (pack rows), bits (block rows), ticket, look-back state
       out_specs=[any_spec] * 6,  # payload, meta bytes, group offsets, ticket, state, probes
@@ -369,7 +387,8 @@ def _single_pass(bits2d, num_blocks: int, config, interpret):
       compiler_params=params,
       name="zipfusion_compress_single_pass",
   )(bits2d.reshape(-1, 4), bits2d, jnp.zeros((1,), jnp.int32), jnp.zeros((tiles + window,), jnp.int32))
-  total = (state[tiles - 1 : tiles] >> 2).astype(jnp.int32)
+  # Units in use: the last tile's inclusive prefix, or (unordered) the unit counter.
+  total = (state[tiles - 1 : tiles] >> 2).astype(jnp.int32) if config.ordered else ticket
   payload = zero_payload_tail(payload, total, num_warps=config.num_warps, interpret=interpret)
   return payload, meta, offsets, total[0], {"ticket": ticket[0], "state": state[:tiles], "probes": probes}
 
@@ -479,6 +498,8 @@ def single_pass_diagnostics(x, config: CompressConfig, *, interpret: bool | None
   reference's; the payload bytes are checked by `compress_pallas`'s tests and the benchmark).
   With `config.max_probes` > 0 a stuck look-back ends, so a GPU run returns instead of hanging.
   """
+  if not config.single_pass or not config.ordered:
+    raise ValueError("diagnostics are the ordered single pass's look-back bookkeeping (single_pass=True, ordered=True)")
   interpret = resolve_interpret(interpret)
   if not interpret and not config.max_probes:
     raise ValueError("on a GPU, diagnose with a bounded look-back (CompressConfig(max_probes=...)): a stuck "

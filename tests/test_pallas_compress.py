@@ -16,6 +16,7 @@ from jax.sharding import AbstractMesh, AxisType
 import zipfusion_jax as zf
 from benchmarks.synthetic_kv import synthetic_blocks
 from pallas_kernels.compress import CompressConfig, compress_pallas, heuristic_config
+from zipfusion_jax.format import block as B
 
 
 def _mixed_blocks(n, seed=0):
@@ -49,6 +50,50 @@ def test_retuned_configs_give_the_same_bytes(config):
   _assert_same(compress_pallas(x, config=config, interpret=True), zf.compress(x))
 
 
+def _shuffle_groups(c, seed):
+  """The same stream with its groups moved to a random non-overlapping order (as `ordered=False` may place them)."""
+  meta = np.asarray(c.group_meta).copy()
+  sizes = np.asarray(jnp.sum(B.block_units(c.meta_bytes), axis=-1))
+  old = meta[:, 0] & 0x3FFFFFFF
+  order = np.random.default_rng(seed).permutation(len(sizes))
+  new = np.zeros_like(old)
+  new[order] = np.cumsum(sizes[order]) - sizes[order]
+  src = np.asarray(c.payload).reshape(-1, 256)
+  payload = np.zeros_like(src)
+  for g in range(len(sizes)):
+    payload[new[g] : new[g] + sizes[g]] = src[old[g] : old[g] + sizes[g]]
+  meta[:, 0] = (meta[:, 0] & ~np.uint32(0x3FFFFFFF)) | new.astype(np.uint32)
+  return c.replace(payload=jnp.asarray(payload.reshape(-1)), group_meta=jnp.asarray(meta)), order
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_canonical_order_restores_the_reference_bytes_of_a_shuffled_stream(version):
+  x = _exception_blocks(37, seed=3) if version == 2 else _mixed_blocks(37, seed=3)
+  want = zf.compress(x, version=version)
+  shuffled, order = _shuffle_groups(want, seed=version)
+  assert not np.array_equal(order, np.arange(order.size))
+  assert not np.array_equal(np.asarray(shuffled.payload), np.asarray(want.payload))  # a real move
+  zf.validate(shuffled)  # any non-overlapping order is a valid stream ...
+  np.testing.assert_array_equal(np.asarray(zf.decompress(shuffled)).view(np.uint16), x.view(np.uint16))  # ... same bits
+  _assert_same(zf.canonical_order(shuffled), want)
+  _assert_same(jax.jit(zf.canonical_order)(shuffled), want)
+  _assert_same(zf.canonical_order(want), want)  # already canonical: unchanged
+
+
+def test_unordered_single_pass_is_a_valid_stream_of_the_reference_groups():
+  """`ordered=False` (offsets from an atomic counter): valid, bit-exact, the reference's bytes once
+  canonicalised. Interpret mode runs the tiles in order, so the placement itself is checked
+  on the GPU (benchmarks/compress.py canonicalises before comparing)."""
+  x = _mixed_blocks(200, seed=11)
+  cfg = CompressConfig(single_pass=True, tile_groups=2, num_warps=1, ordered=False)
+  got = compress_pallas(x, config=cfg, interpret=True)
+  zf.validate(got)
+  np.testing.assert_array_equal(np.asarray(zf.decompress(got)).view(np.uint16), x.view(np.uint16))
+  _assert_same(zf.canonical_order(got), zf.compress(x))
+  with pytest.raises(ValueError, match="single_pass"):
+    CompressConfig(ordered=False)
+
+
 def test_batch_shape_is_kept():
   x = _mixed_blocks(12).reshape(3, 4, 512)
   c = zf.compress(x, impl="pallas")
@@ -76,6 +121,7 @@ H200 = AbstractMesh(
 
 @pytest.mark.parametrize("config,version", [(CompressConfig(), 1), (CompressConfig(single_pass=True), 1),
                                             (CompressConfig(single_pass=True, num_warps=1, look_back_states=8), 1),
+                                            (CompressConfig(single_pass=True, num_warps=1, ordered=False), 1),
                                             (CompressConfig(), 2)])
 def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config, version):
   def f(x):

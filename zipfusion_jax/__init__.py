@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from zipfusion_jax.format.codec import CompressedBlocks, compress_reference, decompress_reference
+from zipfusion_jax.format.codec import CompressedBlocks, canonical_order, compress_reference, decompress_reference
 from zipfusion_jax.format.validate import FormatError, validate
 from zipfusion_jax.paged.api import decompress_then_attend, paged_decode_attention
 from zipfusion_jax.paged.cache import PagedKVCache, paged_cache_from_dense, restore_pages
@@ -54,6 +54,7 @@ __all__ = [
     "EligibilityReport",
     "FormatError",
     "PagedKVCache",
+    "canonical_order",
     "compress",
     "decompress",
     "decompress_then_attend",

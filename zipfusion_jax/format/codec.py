@@ -179,6 +179,31 @@ def block_byte_offsets(group_meta: jax.Array) -> jax.Array:
   return block_unit_offsets(group_meta) * B.UNIT_BYTES
 
 
+def canonical_order(c: "CompressedBlocks") -> "CompressedBlocks":
+  """The same stream with its groups packed back to back in block order (the reference's bytes).
+
+  The format places each group by its own offset (word 0), so a stream whose groups sit in any
+  non-overlapping order is valid and decodes the same (`validate` accepts it); the Pallas
+  compressor's `ordered=False` placement writes groups in arrival order. This moves every group to
+  the offset `pack_groups` would give it and zeroes the rest: for a valid stream the result equals
+  `compress(x, impl="reference")` byte for byte. jit-able; run `validate` first on untrusted data.
+  """
+  meta_bytes = unpack_meta_bytes(c.group_meta[:, 1])
+  old = (c.group_meta[:, 0] & B.OFFSET_MASK).astype(jnp.int32)  # [G] units
+  sizes = jnp.sum(B.block_units(meta_bytes), axis=-1).astype(jnp.int32)
+  new = jnp.cumsum(sizes) - sizes
+  units = c.payload.shape[0] // B.UNIT_BYTES
+  u = jnp.arange(units, dtype=jnp.int32)
+  g = jnp.clip(jnp.searchsorted(new, u, side="right") - 1, 0, max(c.num_groups - 1, 0))  # the group holding new unit u
+  used = u < jnp.sum(sizes)
+  src = jnp.where(used, old[g] + u - new[g], 0) if c.num_groups else u * 0
+  unit_bytes = c.payload.reshape(units, B.UNIT_BYTES)
+  payload = jnp.where(used[:, None], unit_bytes[jnp.clip(src, 0, max(units - 1, 0))], 0).reshape(-1)
+  word0 = (c.group_meta[:, 0] & ~jnp.uint32(B.OFFSET_MASK)) | new.astype(jnp.uint32)
+  group_meta = c.group_meta.at[:, 0].set(word0)
+  return c.replace(payload=payload.astype(jnp.uint8), group_meta=group_meta)
+
+
 def place_rows(rows: jax.Array, meta_byte: jax.Array, starts: jax.Array, capacity: int) -> jax.Array:
   """Scatter each row's stored prefix into a zeroed byte payload.
 
