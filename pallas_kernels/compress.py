@@ -4,9 +4,9 @@ Default (`single_pass=False`): `_plan_kernel` decides each block's rule (b/2
 or raw), XLA computes group offsets with a cumsum, and `_pack_kernel` reads the
 blocks again and writes low bytes, code bytes or raw high bytes at the group's
 offset, zeroing the unused tail of the worst-case payload as it goes. Format
-version 2 (docs/FORMAT.md §9, two-pass only): the plan kernel runs the
+version 2 (docs/FORMAT.md §9): the plan kernel (or the single pass's tile) runs the
 version-2 rule (`block.block_rule_v2`, also giving each block's exception
-entry) and the pack kernel writes the exception's code with d = 0.
+entry) and the stores write the exception's code with d = 0.
 
 `single_pass=True`: one kernel per tile of `tile_groups` groups reads its
 blocks from HBM once (one vector load), decides their rules and in-tile offsets
@@ -14,7 +14,7 @@ with vector reductions, posts the tile's size, finds its payload offset by a
 decoupled look-back over earlier tiles (a ticket counter hands out tiles in
 launch order, so waiting cannot deadlock; each probe reads `look_back_states`
 predecessor states per thread, with volatile loads), then re-reads each block (L2) and writes it with
-unrolled, independent stores; a write-only kernel zeroes the tail. Version 1 only. With
+unrolled, independent stores; a write-only kernel zeroes the tail. Both format versions. With
 `ordered=False` a tile takes its offset from one atomic fetch-and-add instead (groups land in
 arrival order, which the format allows; `codec.canonical_order` gives the reference's bytes). Correct on
 the H100 and the H200 (2026-12-05: bytes == reference, 1 GiB round trip bit-exact) but slower
@@ -278,14 +278,15 @@ def _look_back(state_ref, t, first, window: int = LOOK_BACK, max_probes: int = 0
 
 
 def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref, meta_ref, offset_ref, ticket_ref,
-                        state_ref, probes_ref, *, num_blocks: int, tile_groups: int, window: int, max_probes: int,
-                        ordered: bool = True):
+                        state_ref, probes_ref, *exception_ref, num_blocks: int, tile_groups: int, window: int,
+                        max_probes: int, ordered: bool = True):
   # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array; the pack layout of the blocks)
   # blocks_ref:  uint16 [groups * 4, 512] (whole array; the same bytes, one block per row)
   # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
   # meta_ref:    int32 [groups * 4], offset_ref: int32 [groups] (written for this tile's groups)
   # ticket_ref:  int32 [1], state_ref: int32 [tiles + window] (zero on entry, aliased in and out)
   # probes_ref:  int32 [tiles], look-back probes per tile (telemetry for `single_pass_diagnostics`)
+  # exception_ref: (format version 2 only) int32 [groups * 4], each block's exception entry
   #
   # Decoupled look-back over tiles of `tile_groups` groups, taken in ticket order (a ticket
   # holder only waits on holders of smaller tickets, which are already running: no deadlock).
@@ -300,7 +301,14 @@ def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref
   t = pltr.atomic_add(ticket_ref, (jnp.int32(0),), jnp.int32(1)) if ordered else pl.program_id(0)
   b0 = t * n
   present = b0 + jax.lax.broadcasted_iota(jnp.int32, (n,), 0) < num_blocks
-  meta = jnp.where(present, B.block_meta_byte(*B.block_half_base(blocks_ref[pl.ds(b0, n), :])), B.META_ABSENT)
+  tile = blocks_ref[pl.ds(b0, n), :]
+  if exception_ref:  # format version 2: the version-2 rule, and each block's exception entry
+    rule, exception = B.block_rule_v2(tile)
+    exception = jnp.where(present, exception, 0)
+    exception_ref[0][pl.ds(b0, n)] = exception
+  else:
+    rule, exception = B.block_meta_byte(*B.block_half_base(tile)), None
+  meta = jnp.where(present, rule, B.META_ABSENT)
   units, starts = _tile_sizes(meta)
   size = jnp.sum(units)
   meta_ref[pl.ds(b0, n)] = meta
@@ -321,7 +329,7 @@ def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref
   for k in range(n):  # unrolled: independent loads and stores
     pick = lambda v: jnp.sum(jnp.where(lane == k, v, 0))
     x, y = _load_block(bits_ref, (b0 + k) * LOW_ROWS)
-    _store_block(payload_ref, excl + pick(starts), pick(meta), x, y)
+    _store_block(payload_ref, excl + pick(starts), pick(meta), x, y, None if exception is None else pick(exception))
 
 
 ZERO_PROGRAMS = 1024  # programs of the tail-zeroing kernel (a few per SM), each looping over windows
@@ -362,25 +370,28 @@ def zero_payload_tail(payload, total_units, *, num_warps: int = 4, interpret: bo
   )(total_units, payload)
 
 
-def _single_pass(bits2d, num_blocks: int, config, interpret):
+def _single_pass(bits2d, num_blocks: int, config, interpret, version: int = 1):
   groups = bits2d.shape[0] // B.BLOCKS_PER_GROUP
   tiles = groups // config.tile_groups
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   params = pltr.CompilerParams(num_warps=config.num_warps)
   window = 1 if config.scalar_look_back else look_back_window(config.num_warps, config.look_back_states)
-  payload, meta, offsets, ticket, state, probes = pl.pallas_call(
+  per_block = jax.ShapeDtypeStruct((groups * B.BLOCKS_PER_GROUP,), jnp.int32)
+  payload, meta, offsets, ticket, state, probes, *exceptions = pl.pallas_call(
       functools.partial(_single_pass_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, window=window,
                         max_probes=config.max_probes, ordered=config.ordered),
       grid=(tiles,),
       in_specs=[any_spec] * 4,  # bits (pack rows), bits (block rows), ticket, look-back state
-      out_specs=[any_spec] * 6,  # payload, meta bytes, group offsets, ticket, state, probes
+      # payload, meta bytes, group offsets, ticket, state, probes (, version 2: exception entries)
+      out_specs=[any_spec] * (6 if version == 1 else 7),
       out_shape=[
           jax.ShapeDtypeStruct((groups * WINDOW_ROWS, 4), jnp.uint8),
-          jax.ShapeDtypeStruct((groups * B.BLOCKS_PER_GROUP,), jnp.int32),
+          per_block,
           jax.ShapeDtypeStruct((groups,), jnp.int32),
           jax.ShapeDtypeStruct((1,), jnp.int32),
           jax.ShapeDtypeStruct((tiles + window,), jnp.int32),
           jax.ShapeDtypeStruct((tiles,), jnp.int32),
+          *([] if version == 1 else [per_block]),
       ],
       input_output_aliases={2: 3, 3: 4},
       interpret=interpret,
@@ -390,7 +401,8 @@ def _single_pass(bits2d, num_blocks: int, config, interpret):
   # Units in use: the last tile's inclusive prefix, or (unordered) the unit counter.
   total = (state[tiles - 1 : tiles] >> 2).astype(jnp.int32) if config.ordered else ticket
   payload = zero_payload_tail(payload, total, num_warps=config.num_warps, interpret=interpret)
-  return payload, meta, offsets, total[0], {"ticket": ticket[0], "state": state[:tiles], "probes": probes}
+  info = {"ticket": ticket[0], "state": state[:tiles], "probes": probes}
+  return payload, meta, offsets, total[0], info, (exceptions[0] if exceptions else None)
 
 
 def _plan(bits2d, config: CompressConfig, interpret: bool, version: int):
@@ -438,8 +450,9 @@ def _compress_bits(bits2d: jax.Array, *, num_blocks: int, config: CompressConfig
   n = bits2d.shape[0]
   groups = -(-num_blocks // B.BLOCKS_PER_GROUP)
   if config.single_pass:
-    payload_rows, meta, offsets, total_units, _ = _single_pass(bits2d, num_blocks, config, interpret)
-    group_meta = codec.make_group_meta(offsets, meta.reshape(-1, B.BLOCKS_PER_GROUP))
+    payload_rows, meta, offsets, total_units, _, exceptions = _single_pass(bits2d, num_blocks, config, interpret, version)
+    group_meta = codec.make_group_meta(offsets, meta.reshape(-1, B.BLOCKS_PER_GROUP), version,
+                                       None if exceptions is None else exceptions.reshape(-1, B.BLOCKS_PER_GROUP))
     return payload_rows.reshape(-1)[: num_blocks * B.ROW_BYTES], group_meta[:groups], total_units
   planned = _plan(bits2d, config, interpret, version)  # [meta bytes] or [meta bytes, exception entries]
   meta, exceptions = planned[0], (planned[1] if version == 2 else None)
@@ -472,14 +485,12 @@ def compress_pallas(x, *, config: CompressConfig | None = None, interpret: bool 
     x: bfloat16 [..., 512].
     config: tuning knobs; `heuristic_config` when None.
     interpret: run interpreted (default: when the default backend is not a GPU).
-    version: format version, 1 or 2 (two-pass configs only for 2).
+    version: format version, 1 or 2.
   """
   version = codec.check_version(version)
   x = codec.check_blocks_input(x)
   batch_shape = tuple(x.shape[:-1])
   config = config or heuristic_config(x.size // B.VALUES_PER_BLOCK)
-  if version == 2 and config.single_pass:
-    raise NotImplementedError("the single-pass kernel writes format version 1 only; use the two-pass default")
   interpret = resolve_interpret(interpret)
   bits, n = _block_rows(x, config)
   payload, group_meta, units = _compress_bits(
@@ -507,7 +518,7 @@ def single_pass_diagnostics(x, config: CompressConfig, *, interpret: bool | None
   x = codec.check_blocks_input(x)
   bits, n = _block_rows(x, config)
   run = jax.jit(functools.partial(_single_pass, num_blocks=n, config=config, interpret=interpret))
-  _, meta, offsets, total, info = run(bits)
+  _, meta, offsets, total, info, _ = run(bits)
   state = jax.device_get(info["state"])
   flags = state & 3
   units = jax.device_get(block_units_int(meta)).reshape(-1, B.BLOCKS_PER_GROUP * config.tile_groups).sum(axis=1)

@@ -182,16 +182,12 @@ def test_corrupted_version_2_metadata_is_reported():
   assert not np.any(np.asarray(zf.decompress(with_meta(v3))).view(np.uint16) & 0xFF)
 
 
-def test_api_refuses_unknown_versions_and_the_single_pass_kernel_for_version_2():
-  from pallas_kernels.compress import CompressConfig
-
+def test_api_refuses_unknown_versions():
   x = as_bf16(np.zeros((4, 512), np.uint16))
   with pytest.raises(ValueError, match="version=3"):
     zf.compress(x, version=3)
   with pytest.raises(ValueError, match="version=3"):
     zf.compress(x, impl="pallas", version=3)
-  with pytest.raises(NotImplementedError, match="version 1 only"):
-    zf.compress(x, impl="pallas", version=2, config=CompressConfig(single_pass=True))
 
 
 @given(random_blocks())

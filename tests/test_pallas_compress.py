@@ -122,6 +122,7 @@ H200 = AbstractMesh(
 @pytest.mark.parametrize("config,version", [(CompressConfig(), 1), (CompressConfig(single_pass=True), 1),
                                             (CompressConfig(single_pass=True, num_warps=1, look_back_states=8), 1),
                                             (CompressConfig(single_pass=True, num_warps=1, ordered=False), 1),
+                                            (CompressConfig(single_pass=True, num_warps=1, ordered=False), 2),
                                             (CompressConfig(), 2)])
 def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config, version):
   def f(x):
@@ -156,6 +157,17 @@ def test_version_2_bytes_equal_reference(n):
   got, want = compress_pallas(x, interpret=True, version=2), zf.compress(x, version=2)
   _assert_same(got, want)
   assert np.asarray(want.group_meta).shape[1] == 4 and np.any(np.asarray(want.meta_bytes) & 0x80)
+  np.testing.assert_array_equal(np.asarray(zf.decompress(got)).view(np.uint16), x.view(np.uint16))
+
+
+@pytest.mark.parametrize("config", [CompressConfig(single_pass=True, tile_groups=2, num_warps=1),
+                                    CompressConfig(single_pass=True, tile_groups=1, num_warps=1, ordered=False)])
+def test_version_2_single_pass_bytes_equal_reference(config):
+  x = _exception_blocks(70, seed=5)
+  got, want = compress_pallas(x, config=config, interpret=True, version=2), zf.compress(x, version=2)
+  _assert_same(zf.canonical_order(got), want)
+  if config.ordered:
+    _assert_same(got, want)
   np.testing.assert_array_equal(np.asarray(zf.decompress(got)).view(np.uint16), x.view(np.uint16))
 
 
