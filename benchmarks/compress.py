@@ -76,9 +76,9 @@ def pallas_copy(x, rows_per_program: int = 64):
                         interpret=jax.default_backend() != "gpu", name="compress_bench_copy")(bits)
 
 
-def check_exact(x, c_kernel, c_ref_small, n_small, config):
+def check_exact(x, c_kernel, c_ref_small, n_small, config, version=1):
   """Kernel bytes (this variant's config) == reference bytes on a prefix; full round trip bit-exact."""
-  small = compress_pallas(x[:n_small], config=config)
+  small = compress_pallas(x[:n_small], config=config, version=version)
   if not config.ordered:  # groups in arrival order: validate, then compare in block order
     small = zf.canonical_order(zf.validate(small))
   for a, b in zip(jax.tree.leaves(small), jax.tree.leaves(c_ref_small)):
@@ -95,6 +95,7 @@ def main():
   ap.add_argument("--out", default=None, help="default: benchmarks/results/compress_h200.json "
                   "(--diagnose: compress_diagnose_h200.json)")
   ap.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
+  ap.add_argument("--version", type=int, default=1, choices=(1, 2), help="format version written")
   ap.add_argument("--diagnose", action="store_true", help="single-pass look-back bookkeeping, bounded probes")
   args = ap.parse_args()
   n = int(args.gib * 2**30) // 1024 // 64 * 64
@@ -139,8 +140,8 @@ def main():
     return diagnose(x, {k: v for k, v in variants.items() if v.single_pass and v.ordered},
                     args.out or "benchmarks/results/compress_diagnose_h200.json")
   args.out = args.out or "benchmarks/results/compress_h200.json"
-  c_ref_small = zf.compress(x[:4096])
-  c = compress_pallas(x)  # the stored size and eligibility of the JSON (the same for every variant)
+  c_ref_small = zf.compress(x[:4096], version=args.version)
+  c = compress_pallas(x, version=args.version)  # the stored size and eligibility of the JSON (the same for every variant)
   stored = {"eligible_fraction": float(jnp.mean(c.compressible)), "stored_bytes": int(c.nbytes),
             "compression_ratio": input_bytes / int(c.nbytes)}
   rows = []
@@ -152,13 +153,13 @@ def main():
   stored["ceiling_input_tbps"] = input_bytes / min(copy_us, stored["pallas_copy_us"]) / 1e6
   for name, cfg in variants.items():
     print(f"{name}: compiling and checking", file=sys.stderr, flush=True)  # a hang names its variant
-    f = jax.jit(lambda a, cfg=cfg: compress_pallas(a, config=cfg))
+    f = jax.jit(lambda a, cfg=cfg: compress_pallas(a, config=cfg, version=args.version))
     t0 = time.perf_counter()
     f.lower(x).compile()
     print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s; running", file=sys.stderr, flush=True)
     c = f(x)
     try:
-      check_exact(x, c, c_ref_small, 4096, cfg)
+      check_exact(x, c, c_ref_small, 4096, cfg, args.version)
     except AssertionError as e:  # a wrong variant is reported, not timed; the others still run
       print(f"{name}: FAIL {e}", flush=True)
       continue
@@ -171,9 +172,10 @@ def main():
     })
     print(f"{name:28s} kernels {kernel_us:8.1f} us  {input_bytes / kernel_us / 1e6:5.2f} TB/s  "
           f"(+zero fill {total_us:8.1f} us, wall {rows[-1]['wall_us']:8.1f} us)", flush=True)
-    write_result(args.out, input_bytes, stored, copy_us, rows)  # after every variant: a later hang keeps these
-  result = write_result(args.out, input_bytes, stored, copy_us, rows,
-                        reference_jnp_us=cupti_us(jax.jit(zf.compress), x, iterations=3)[0])
+    write_result(args.out, input_bytes, stored, copy_us, rows, version=args.version)  # after every variant: a later hang keeps these
+  result = write_result(args.out, input_bytes, stored, copy_us, rows, version=args.version,
+                        reference_jnp_us=cupti_us(jax.jit(lambda a: zf.compress(a, version=args.version)), x,
+                                                  iterations=3)[0])
   best = result["best_variant"]
   print(f"copy {copy_us:.1f} us ({result['copy_tbps']:.2f} TB/s r+w), Pallas copy {result['pallas_copy_us']:.1f} us "
         f"({result['pallas_copy_tbps']:.2f} TB/s r+w: a single pass's ceiling {result['ceiling_input_tbps']:.2f} TB/s of input); jnp reference {result['reference_jnp_us']:.1f} us; "
@@ -181,7 +183,7 @@ def main():
   print(f"BEST {best}: {result['time_us']:.1f} us = {result['input_tbps']:.2f} TB/s of BF16 input")
 
 
-def write_result(out, input_bytes, stored, copy_us, rows, reference_jnp_us=None):
+def write_result(out, input_bytes, stored, copy_us, rows, reference_jnp_us=None, version=1):
   """The JSON of issue 3 (`device`, `jax`, `input_bytes`, `time_us`, `input_tbps`: the best variant)."""
   best = min(rows, key=lambda r: r["time_us"])
   ordered = [r for r in rows if r.get("ordered", True)]
@@ -190,7 +192,7 @@ def write_result(out, input_bytes, stored, copy_us, rows, reference_jnp_us=None)
       "device": jax.devices()[0].device_kind, "jax": jax.__version__,
       "date": datetime.date.today().isoformat(),
       "input_bytes": input_bytes, "time_us": best["time_us"], "input_tbps": best["input_tbps"],
-      "best_variant": best["variant"], "best_is_ordered": best.get("ordered", True),
+      "format_version": version, "best_variant": best["variant"], "best_is_ordered": best.get("ordered", True),
       # The best variant whose bytes equal the reference's as written (groups in block order).
       "best_ordered_variant": best_ordered and best_ordered["variant"],
       "best_ordered_time_us": best_ordered and best_ordered["time_us"], **stored,
