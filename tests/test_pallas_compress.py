@@ -94,6 +94,19 @@ def test_unordered_single_pass_is_a_valid_stream_of_the_reference_groups():
     CompressConfig(ordered=False)
 
 
+@pytest.mark.parametrize("config", [CompressConfig(zero_tail=False),
+                                    CompressConfig(single_pass=True, tile_groups=2, num_warps=1, zero_tail=False)])
+def test_without_tail_zeroing_the_used_prefix_is_the_reference_s(config):
+  """zero_tail=False: metadata and the used prefix are the reference's; the kernel writes nothing past it."""
+  x = _mixed_blocks(90, seed=13)
+  got, want = compress_pallas(x, config=config, interpret=True), zf.compress(x)
+  np.testing.assert_array_equal(np.asarray(got.group_meta), np.asarray(want.group_meta))
+  assert int(got.payload_units) == int(want.payload_units) and int(want.payload_units) * 256 < got.payload.size
+  used = int(want.payload_units) * 256
+  np.testing.assert_array_equal(np.asarray(got.payload)[:used], np.asarray(want.payload)[:used])
+  np.testing.assert_array_equal(np.asarray(zf.decompress(zf.validate(got))).view(np.uint16), x.view(np.uint16))
+
+
 def test_batch_shape_is_kept():
   x = _mixed_blocks(12).reshape(3, 4, 512)
   c = zf.compress(x, impl="pallas")

@@ -48,10 +48,14 @@ def _encode(pages: jax.Array, encoder: Encoder, version: int = 1):
     return encode_page_blocks(pages, version)
   if encoder != "pallas":
     raise ValueError(f"{encoder=} must be 'reference' or 'pallas'")
-  from pallas_kernels.compress import compress_pallas  # kernels sit above the format
+  from pallas_kernels.compress import compress_pallas, heuristic_config  # kernels sit above the format
 
   blocks = kv_page_blocks(pages)  # [N, Hkv, 2, nb, 512]
-  c = compress_pallas(blocks.reshape(-1, B.VALUES_PER_BLOCK), version=version)
+  flat = blocks.reshape(-1, B.VALUES_PER_BLOCK)
+  # Only each block's stored units are read back (and scattered), so the payload's unused tail
+  # need not be zeroed.
+  config = dataclasses.replace(heuristic_config(flat.shape[0]), zero_tail=False)
+  c = compress_pallas(flat, config=config, version=version)
   # The kernel packs blocks back to back; read each block's 1024-byte window back as its row.
   starts = codec.block_byte_offsets(c.group_meta).reshape(-1)[: c.num_blocks]
   index = starts[:, None] + jnp.arange(B.ROW_BYTES, dtype=jnp.int32)[None, :]
