@@ -115,7 +115,7 @@ def main():
       "single_pass_tile8_w8": CompressConfig(single_pass=True, tile_groups=8, num_warps=8),
       # Wider look-back windows from one warp (states per thread): fewer probes spun per tile
       # (~16 with 32 states); every variant above ran 1.0-1.2 ms per GiB (H100, 2026-12-06).
-      # Not yet run on a GPU.
+      # H100 (2026-12-06, fourth session): 8 states per thread were slower (1449 vs 995 us main kernel).
       "single_pass_tile1_w1_lb4": CompressConfig(single_pass=True, tile_groups=1, num_warps=1, look_back_states=4),
       "single_pass_tile1_w1_lb8": CompressConfig(single_pass=True, tile_groups=1, num_warps=1, look_back_states=8),
       "single_pass_tile2_w1_lb8": CompressConfig(single_pass=True, tile_groups=2, num_warps=1, look_back_states=8),

@@ -16,7 +16,8 @@ launch order, so waiting cannot deadlock; each probe reads `look_back_states`
 predecessor states per thread, with volatile loads), then re-reads each block (L2) and writes it with
 unrolled, independent stores; a write-only kernel zeroes the tail. Both format versions. With
 `ordered=False` a tile takes its offset from one atomic fetch-and-add instead (groups land in
-arrival order, which the format allows; `codec.canonical_order` gives the reference's bytes). Correct on
+arrival order, which the format allows; `codec.canonical_order` gives the reference's bytes):
+938 us per GiB on the H100 with the tail zeroed, against 1076 ordered and 1111 two-pass (2026-12-06). Correct on
 the H100 and the H200 (2026-12-05: bytes == reference, 1 GiB round trip bit-exact) but slower
 than two-pass there (H200, 1 GiB: 0.99 ms at best vs 0.84 ms; with the strided tail zeroing it
 ties two-pass on the H100, 1.08 vs 1.11 ms, 2026-12-06): the look-back chain, not HBM, bounds it
@@ -77,13 +78,16 @@ class CompressConfig:
       1 GiB in 1.0-1.2 ms whatever its tile size (H100, 2026-12-06), 1.5x the two-pass pack
       kernel's time per byte: a tile spends most of its life spinning through probes (~16 at one
       state per thread), holding one of the SM's program slots and no loads in flight. More
-      states per thread cut the probes without the cross-warp reductions of more warps.
+      states per thread cut the probes without the cross-warp reductions of more warps; measured
+      (H100, 2026-12-06, fourth session) 8 states per thread were slower, 1449 vs 995 us per GiB.
     ordered: single pass: True places groups in block order (the reference's bytes; the look-back
       above). False places each tile where one atomic fetch-and-add on a unit counter says, in
       the order tiles get there: no look-back, so no tile waits on another. The format allows it
       (every group's offset is its own, docs/FORMAT.md §6: any non-overlapping order is valid);
       the stream decodes to the same bits and `codec.canonical_order` turns it into the
-      reference's bytes, but which offset a group gets changes from run to run on a GPU.
+      reference's bytes, but which offset a group gets changes from run to run on a GPU. H100,
+      1 GiB (2026-12-06): 855 us for 4-group tiles at 4 warps + 79 us tail zeroing, the fastest
+      compressor there (two-pass 1111 us), still 1.2x the copy (benchmarks/RESULTS.md).
     zero_tail: zero the payload past the units in use (docs/FORMAT.md §6: "rest zero"), so the
       whole array equals the reference's. False leaves those bytes unspecified (whatever the
       buffer held) and saves writing them (~0.45 B per value at 90% eligibility, a quarter of
