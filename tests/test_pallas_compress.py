@@ -54,15 +54,15 @@ def _shuffle_groups(c, seed):
   """The same stream with its groups moved to a random non-overlapping order (as `ordered=False` may place them)."""
   meta = np.asarray(c.group_meta).copy()
   sizes = np.asarray(jnp.sum(B.block_units(c.meta_bytes), axis=-1))
-  old = meta[:, 0] & 0x3FFFFFFF
+  old = meta[:, 0] & B.OFFSET_MASK
   order = np.random.default_rng(seed).permutation(len(sizes))
   new = np.zeros_like(old)
   new[order] = np.cumsum(sizes[order]) - sizes[order]
-  src = np.asarray(c.payload).reshape(-1, 256)
+  src = np.asarray(c.payload).reshape(-1, B.UNIT_BYTES)
   payload = np.zeros_like(src)
   for g in range(len(sizes)):
     payload[new[g] : new[g] + sizes[g]] = src[old[g] : old[g] + sizes[g]]
-  meta[:, 0] = (meta[:, 0] & ~np.uint32(0x3FFFFFFF)) | new.astype(np.uint32)
+  meta[:, 0] = (meta[:, 0] & ~np.uint32(B.OFFSET_MASK)) | new.astype(np.uint32)
   return c.replace(payload=jnp.asarray(payload.reshape(-1)), group_meta=jnp.asarray(meta)), order
 
 

@@ -188,17 +188,16 @@ def canonical_order(c: "CompressedBlocks") -> "CompressedBlocks":
   the offset `pack_groups` would give it and zeroes the rest: for a valid stream the result equals
   `compress(x, impl="reference")` byte for byte. jit-able; run `validate` first on untrusted data.
   """
-  meta_bytes = unpack_meta_bytes(c.group_meta[:, 1])
+  if not c.num_groups:  # no blocks: an empty payload, nothing to move
+    return c
   old = (c.group_meta[:, 0] & B.OFFSET_MASK).astype(jnp.int32)  # [G] units
-  sizes = jnp.sum(B.block_units(meta_bytes), axis=-1).astype(jnp.int32)
-  new = jnp.cumsum(sizes) - sizes
+  new, _, total = pack_groups(c.meta_bytes)  # the reference's placement
   units = c.payload.shape[0] // B.UNIT_BYTES
   u = jnp.arange(units, dtype=jnp.int32)
-  g = jnp.clip(jnp.searchsorted(new, u, side="right") - 1, 0, max(c.num_groups - 1, 0))  # the group holding new unit u
-  used = u < jnp.sum(sizes)
-  src = jnp.where(used, old[g] + u - new[g], 0) if c.num_groups else u * 0
-  unit_bytes = c.payload.reshape(units, B.UNIT_BYTES)
-  payload = jnp.where(used[:, None], unit_bytes[jnp.clip(src, 0, max(units - 1, 0))], 0).reshape(-1)
+  g = jnp.clip(jnp.searchsorted(new, u, side="right") - 1, 0, c.num_groups - 1)  # the group holding new unit u
+  used = u < total
+  src = jnp.clip(jnp.where(used, old[g] + u - new[g], 0), 0, units - 1)
+  payload = jnp.where(used[:, None], c.payload.reshape(units, B.UNIT_BYTES)[src], 0).reshape(-1)
   word0 = (c.group_meta[:, 0] & ~jnp.uint32(B.OFFSET_MASK)) | new.astype(jnp.uint32)
   group_meta = c.group_meta.at[:, 0].set(word0)
   return c.replace(payload=payload.astype(jnp.uint8), group_meta=group_meta)
