@@ -151,8 +151,8 @@ def admitted_engine(config, params, system: str, context: int, slots: int, new_t
   t0 = time.perf_counter()
   backend = backend_for(config, system, slots, context + new_tokens, budget, decode_knobs=decode_knobs)
   engine = Engine(ModelDecoder(config), backend, params, max_prefills_per_step=slots)
-  engine.warm_up()  # the decode step at every completion width: no timed step compiles
-  warm = engine.submit([1] * (PAGE_SIZE + 1), 2)  # compiles prefill
+  engine.warm_up()  # decode at every completion width and prefill, compiled on threads: no timed step compiles
+  warm = engine.submit([1] * (PAGE_SIZE + 1), 2)  # one prefill and decode run before the clock
   engine.run()
   assert warm.done
   t1 = time.perf_counter()

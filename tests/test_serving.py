@@ -434,18 +434,26 @@ def test_decode_knobs_override_the_heuristic_config_for_the_geometry():
 
 
 @pytest.mark.parametrize("compressed", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_warm_up_compiles_every_width_and_changes_no_output(compressed):
-  """After `warm_up()` no serving step traces, and the tokens and KV are the ones a cold engine gives."""
+def test_warm_up_compiles_every_width_and_changes_no_output(compressed, caplog):
+  """After `warm_up()` (decode widths and prefill compiled on threads) no serving step traces or
+  compiles, and the tokens and KV are the ones a cold engine gives."""
   rng = np.random.default_rng(7)
   specs = [(rng.integers(0, 1000, int(rng.integers(5, 40))), int(rng.integers(3, 25))) for _ in range(6)]
   warm, cold = make_engine(compressed), make_engine(compressed)
   warm.warm_up()
-  assert warm.traces["decode"] == len(warm.cfg.completion_widths)
+  compiled = {"decode": len(warm.cfg.completion_widths), "prefill": 1}
+  assert dict(warm.traces) == compiled
   for engine in (warm, cold):
     reqs = [engine.submit(p, n) for p, n in specs]
-    engine.run()
+    if engine is warm:
+      with jax.log_compiles(), caplog.at_level("WARNING"):  # a step compiling again logs its name
+        engine.run()
+      again = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+      assert not [m for m in again if "_decode_fn" in m or "_prefill_fn" in m], again
+    else:
+      engine.run()
     engine.outputs = [r.generated for r in reqs]
-  assert warm.traces["decode"] == len(warm.cfg.completion_widths)  # nothing more was compiled
+  assert dict(warm.traces) == compiled  # nothing more was traced
   assert warm.outputs == cold.outputs
   assert check_invariants(warm.backend, warm.state, warm.allocator, []) == []
   with pytest.raises(RuntimeError, match="before serving"):

@@ -30,6 +30,7 @@ smallest that holds its completing pages), for any batch composition (`Engine.tr
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 from typing import Any, Protocol
 
@@ -134,6 +135,14 @@ def idle_decode_plan(cfg: ServingConfig, width: int) -> Plan:
   )
 
 
+def idle_prefill_plan(cfg: ServingConfig) -> Plan:
+  """A prefill plan of no pages (slot 0, length 0) with the shapes of every prefill: only lowered
+  and compiled by `Engine.warm_up`, never run."""
+  L = cfg.num_layers
+  empty = Placement(np.zeros(0, np.int32), np.full(L, NO_PAGE, np.int32), ((),) * L)
+  return prefill_plan(cfg, 0, 0, empty)
+
+
 class Engine:
   """Continuous-batching engine over one `PagedBackend` (compressed or not).
 
@@ -195,8 +204,11 @@ class Engine:
 
   def lower_decode(self, plan: Plan, tokens: np.ndarray):
     """The jitted decode step lowered for this plan (`jax.stages.Lowered`: HLO, compile)."""
+    return self._lower(self._decode, plan, tokens)
+
+  def _lower(self, jitted, plan: Plan, tokens: np.ndarray):
     packed, layout = pack_host((plan, np.asarray(tokens, np.int32)))
-    return self._decode.lower(self.params, self.state, packed, layout)
+    return jitted.lower(self.params, self.state, packed, layout)
 
   def _call(self, jitted, plan: Plan, tokens: np.ndarray):
     """Run a jitted step on (plan, tokens): one transfer down, one up; returns the readback's leaves."""
@@ -280,16 +292,25 @@ class Engine:
     self.steps += 1
     return report
 
-  def warm_up(self) -> None:
-    """Compile the decode step at every completion width now (a server's start-up), so that no
-    serving step stops to compile when a width first occurs (e.g. a request admitted late that
-    completes a page on its own). Runs one idle step per width; only on an engine with nothing
-    running (an idle step ends every slot's sequence)."""
+  def warm_up(self, threads: int | None = None) -> None:
+    """Compile the decode step at every completion width, and the prefill, now (a server's
+    start-up), so that no serving step stops to compile when a width first occurs (e.g. a request
+    admitted late that completes a page on its own). The steps are traced in turn and compiled
+    on `threads` threads (default: one per step; XLA compiles without the GIL), then one idle
+    decode step runs per width. Only on an engine with nothing running (an idle step ends every
+    slot's sequence)."""
     if self.scheduler.running:
       raise RuntimeError("warm_up() runs idle steps, which end running sequences: call it before serving")
-    tokens = np.zeros(self.cfg.num_slots, np.int32)
-    for width in self.cfg.completion_widths:
-      self.run_decode(idle_decode_plan(self.cfg, width), tokens)
+    cfg = self.cfg
+    tokens = np.zeros(cfg.num_slots, np.int32)
+    decode_plans = [idle_decode_plan(cfg, width) for width in cfg.completion_widths]
+    steps = [(self._decode, plan, tokens) for plan in decode_plans]
+    steps.append((self._prefill, idle_prefill_plan(cfg), np.zeros(cfg.max_length, np.int32)))
+    lowered = [self._lower(*step) for step in steps]  # tracing holds the GIL: in turn
+    with concurrent.futures.ThreadPoolExecutor(threads or len(lowered)) as pool:
+      list(pool.map(lambda low: low.compile(), lowered))  # the jitted steps' cache keeps them
+    for plan in decode_plans:  # runs (no compile): the device-side first-call work is done here too
+      self.run_decode(plan, tokens)
 
   def run(self, max_steps: int = 100_000) -> list[Request]:
     """Step until no request waits or runs; returns the finished ones in finishing order
