@@ -156,6 +156,18 @@ def main():
                                                               ordered=False, zero_tail=False),
       "single_pass_unordered_tile2_w1_nozero": CompressConfig(single_pass=True, tile_groups=2, num_warps=1,
                                                               ordered=False, zero_tail=False),
+      # Persistent unordered single pass (`persistent_programs`, 8 or 16 per SM of the 132): a program
+      # loops over tiles, loading the next tile's blocks while it places and stores this one, and
+      # decides the rule from those loads (no second read of the blocks).
+      "single_pass_unordered_tile1_w1_p1056": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
+                                                             ordered=False, persistent_programs=132 * 8),
+      "single_pass_unordered_tile4_w4_p528": CompressConfig(single_pass=True, tile_groups=4, ordered=False,
+                                                            persistent_programs=132 * 4),
+      "single_pass_unordered_tile1_w1_p2112": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
+                                                             ordered=False, persistent_programs=132 * 16),
+      "single_pass_unordered_tile1_w1_p1056_nozero": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
+                                                                    ordered=False, persistent_programs=132 * 8,
+                                                                    zero_tail=False),
       "single_pass_tile1_w1_lb8_nozero": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
                                                         look_back_states=8, zero_tail=False),
       "two_pass_plan16_w4_nozero": CompressConfig(zero_tail=False),

@@ -23,6 +23,9 @@ than two-pass there (H200, 1 GiB: 0.99 ms at best vs 0.84 ms; with the strided t
 ties two-pass on the H100, 1.08 vs 1.11 ms, 2026-12-06): the look-back chain, not HBM, bounds it
 (benchmarks/RESULTS.md). Its first GPU runs hung: the window was read with a vector
 atomic add of zeros, which erased the posted states on the GPU (interpret mode never showed it).
+`persistent_programs=P` (unordered, version 1): P programs loop over the tiles, each loading its next
+tile's blocks before placing and storing the current one (loads overlap the rule, the atomic and the
+stores) and deciding the rule from those loads, so each block is read once. Not yet measured on a GPU.
 
 Backend: Pallas Triton. Placement of variable-size blocks needs scalar
 address arithmetic and strided/masked stores, which the Triton lowering
@@ -88,6 +91,11 @@ class CompressConfig:
       reference's bytes, but which offset a group gets changes from run to run on a GPU. H100,
       1 GiB (2026-12-06): 855 us for 4-group tiles at 4 warps + 79 us tail zeroing, the fastest
       compressor there (two-pass 1111 us), still 1.2x the copy (benchmarks/RESULTS.md).
+    persistent_programs: unordered single pass only (`ordered=False`), format version 1: with P > 0
+      the grid is min(P, tiles) persistent programs, program p taking tiles p, p + P, p + 2P, ... in
+      a loop that loads tile t + P's blocks before it places and stores tile t (the loads in flight
+      under the rule, the atomic and the stores), and decides the rule from those pack-layout
+      blocks, so each block is read from HBM once. 0 (default): one program per tile.
     zero_tail: zero the payload past the units in use (docs/FORMAT.md §6: "rest zero"), so the
       whole array equals the reference's. False leaves those bytes unspecified (whatever the
       buffer held) and saves writing them (~0.45 B per value at 90% eligibility, a quarter of
@@ -104,6 +112,7 @@ class CompressConfig:
   look_back_states: int = 1
   ordered: bool = True
   zero_tail: bool = True
+  persistent_programs: int = 0
 
   def __post_init__(self):
     for name in ("plan_blocks", "tile_groups", "look_back_states"):
@@ -116,6 +125,11 @@ class CompressConfig:
       raise ValueError("ordered=False is a placement of the single-pass kernel (single_pass=True)")
     if self.max_probes < 0:
       raise ValueError(f"max_probes={self.max_probes} must be >= 0 (0: unbounded)")
+    if self.persistent_programs < 0:
+      raise ValueError(f"persistent_programs={self.persistent_programs} must be >= 1 (or 0: off)")
+    if self.persistent_programs and (not self.single_pass or self.ordered):
+      raise ValueError("persistent_programs > 0 is a variant of the unordered single pass "
+                       "(single_pass=True, ordered=False)")
 
 
 def heuristic_config(num_blocks: int) -> CompressConfig:
@@ -148,6 +162,24 @@ def _load_block(bits_ref, row0):
   x = bits_ref[pl.ds(row0, 64, stride=2), :].astype(jnp.int32)
   y = bits_ref[pl.ds(row0 + 1, 64, stride=2), :].astype(jnp.int32)
   return x, y
+
+
+def _pack_half_base(x, y):
+  """`B.block_half_base` of blocks in the pack layout of `_load_block`.
+
+  Args:
+    x, y: int32 [..., 64, 4], a block's 512 BF16 patterns (rows 2k and 2k + 1 of `_load_block`).
+
+  Returns:
+    (eligible, half_base): bool [...] and int32 [...], as `B.block_half_base` over the 512 values
+    (the exponent min and max over both arrays are those of the block).
+  """
+  ex, ey = B.exponents(x), B.exponents(y)
+  # One axis per reduction: the Triton lowering of a two-axis reduction fails under an abstract mesh.
+  lowest = jnp.min(jnp.min(jnp.minimum(ex, ey), axis=-1), axis=-1)
+  highest = jnp.max(jnp.max(jnp.maximum(ex, ey), axis=-1), axis=-1)
+  base = lowest & ~1
+  return highest - base < B.EXPONENT_WINDOW, base >> 1
 
 
 def _store_block(payload_ref, unit, mb, x, y, exception=None):
@@ -311,7 +343,7 @@ def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref
   n = tile_groups * B.BLOCKS_PER_GROUP
   t = pltr.atomic_add(ticket_ref, (jnp.int32(0),), jnp.int32(1)) if ordered else pl.program_id(0)
   b0 = t * n
-  present = b0 + jax.lax.broadcasted_iota(jnp.int32, (n,), 0) < num_blocks
+  present = _present(b0, n, num_blocks)
   tile = blocks_ref[pl.ds(b0, n), :]
   if exception_ref:  # format version 2: the version-2 rule, and each block's exception entry
     rule, exception = B.block_rule_v2(tile)
@@ -332,15 +364,77 @@ def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref
     pltr.atomic_add(state_ref, (t,), (((excl + size) << 2) | FLAG_INCLUSIVE) - posted)
   else:
     excl = pltr.atomic_add(ticket_ref, (jnp.int32(0),), size)
+  block_xy = lambda k: _load_block(bits_ref, (b0 + k) * LOW_ROWS)  # re-read (L2)
+  _write_tile(payload_ref, offset_ref, t, excl, meta, units, starts, block_xy, exception)
 
+
+def _present(b0, n, num_blocks):
+  """bool [n]: which blocks b0 .. b0 + n - 1 of a tile exist (the rest are padding, META_ABSENT)."""
+  return b0 + jax.lax.broadcasted_iota(jnp.int32, (n,), 0) < num_blocks
+
+
+def _write_tile(payload_ref, offset_ref, t, excl, meta, units, starts, block_xy, exception=None):
+  """Write tile t's group offsets and blocks, the tile starting at unit `excl`.
+
+  meta, units, starts, exception (version 2, or None): int32 [n], per block of the tile (its byte,
+  size, in-tile offset); block_xy(k) -> x, y int32 [64, 4] of block k (loaded or re-read).
+  """
+  n = meta.shape[0]
+  tile_groups = n // B.BLOCKS_PER_GROUP
   group_of = jax.lax.broadcasted_iota(jnp.int32, (tile_groups, n), 0)
   in_earlier = jax.lax.broadcasted_iota(jnp.int32, (tile_groups, n), 1) < B.BLOCKS_PER_GROUP * group_of
   offset_ref[pl.ds(t * tile_groups, tile_groups)] = excl + jnp.sum(jnp.where(in_earlier, units[None, :], 0), axis=1)
   lane = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
   for k in range(n):  # unrolled: independent loads and stores
     pick = lambda v: jnp.sum(jnp.where(lane == k, v, 0))
-    x, y = _load_block(bits_ref, (b0 + k) * LOW_ROWS)
+    x, y = block_xy(k)
     _store_block(payload_ref, excl + pick(starts), pick(meta), x, y, None if exception is None else pick(exception))
+
+
+def _as_lanes(scalars):
+  """k int32 scalars -> int32 [k], lane i holding scalars[i] (Triton has no vector from scalars)."""
+  lane = jax.lax.broadcasted_iota(jnp.int32, (len(scalars),), 0)
+  out = jnp.zeros((len(scalars),), jnp.int32)
+  for i, v in enumerate(scalars):
+    out = jnp.where(lane == i, v, out)
+  return out
+
+
+def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, ticket_ref, *, num_blocks: int,
+                       tile_groups: int, tiles: int, programs: int):
+  # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array; the pack layout, read once)
+  # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
+  # meta_ref:    int32 [groups * 4], offset_ref: int32 [groups] (written for each tile's groups)
+  # ticket_ref:  int32 [1], the unit counter (zero on entry, aliased in and out)
+  #
+  # The unordered single pass as `programs` persistent programs: program p takes tiles p, p + P,
+  # ... (P = programs). Each iteration first loads the next tile's blocks (clamped to the current
+  # tile past the end: an L2 hit whose values go unused), then decides the current tile's rules
+  # from its loaded blocks, takes its offset from the counter and stores it, so the next tile's
+  # loads are in flight under this tile's rule, atomic and stores.
+  n = tile_groups * B.BLOCKS_PER_GROUP
+  p = pl.program_id(0)
+
+  def load_tile(t):  # -> ((x, y) int32 [64, 4] per block of tile t)
+    return tuple(_load_block(bits_ref, (t * n + k) * LOW_ROWS) for k in range(n))
+
+  def place_and_store(t, blocks):
+    b0 = t * n
+    rule = _as_lanes([B.block_meta_byte(*_pack_half_base(x, y)) for x, y in blocks])
+    meta = jnp.where(_present(b0, n, num_blocks), rule, B.META_ABSENT)
+    units, starts = _tile_sizes(meta)
+    meta_ref[pl.ds(b0, n)] = meta
+    excl = pltr.atomic_add(ticket_ref, (jnp.int32(0),), jnp.sum(units))
+    _write_tile(payload_ref, offset_ref, t, excl, meta, units, starts, lambda k: blocks[k])
+
+  def body(i, blocks):
+    t = p + i * programs
+    upcoming = load_tile(t + programs * (t + programs < tiles).astype(jnp.int32))
+    place_and_store(t, blocks)
+    return upcoming
+
+  count = (tiles - p + programs - 1) // programs  # >= 1: the grid has at most `tiles` programs
+  jax.lax.fori_loop(0, count, body, load_tile(p))
 
 
 ZERO_PROGRAMS = 1024  # programs of the tail-zeroing kernel (a few per SM), each looping over windows
@@ -382,13 +476,61 @@ def zero_payload_tail(payload, total_units, *, num_warps: int = 4, interpret: bo
 
 
 def _single_pass(bits2d, num_blocks: int, config, interpret, version: int = 1):
+  """bits2d uint16 [N, 512] -> (payload uint8 [groups * 16 * 64, 4], meta bytes int32 [N], group offsets
+  int32 [groups], units in use int32 [], look-back info, exception entries int32 [N] or None)."""
+  tiles = bits2d.shape[0] // B.BLOCKS_PER_GROUP // config.tile_groups
+  if config.persistent_programs:
+    if version != 1:
+      raise ValueError(f"persistent_programs > 0 writes format version 1 only (got version={version})")
+    payload, meta, offsets, ticket = _persistent_call(bits2d, num_blocks, config, interpret)
+    state = probes = jnp.zeros((tiles,), jnp.int32)
+    exceptions = []
+  else:
+    payload, meta, offsets, ticket, state, probes, *exceptions = _single_pass_call(
+        bits2d, num_blocks, config, interpret, version)
+  # Units in use: the last tile's inclusive prefix, or (unordered) the unit counter.
+  total = (state[tiles - 1 : tiles] >> 2).astype(jnp.int32) if config.ordered else ticket
+  if config.zero_tail:
+    payload = zero_payload_tail(payload, total, num_warps=config.num_warps, interpret=interpret)
+  info = {"ticket": ticket[0], "state": state[:tiles], "probes": probes}
+  return payload, meta, offsets, total[0], info, (exceptions[0] if exceptions else None)
+
+
+def _persistent_call(bits2d, num_blocks: int, config, interpret):
+  """The persistent unordered kernel -> (payload, meta bytes, group offsets, unit counter int32 [1])."""
+  groups = bits2d.shape[0] // B.BLOCKS_PER_GROUP
+  tiles = groups // config.tile_groups
+  programs = min(config.persistent_programs, tiles)
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  return pl.pallas_call(
+      functools.partial(_persistent_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, tiles=tiles,
+                        programs=programs),
+      grid=(programs,),
+      in_specs=[any_spec] * 2,  # bits (pack rows), unit counter
+      out_specs=[any_spec] * 4,  # payload, meta bytes, group offsets, unit counter
+      out_shape=[
+          jax.ShapeDtypeStruct((groups * WINDOW_ROWS, 4), jnp.uint8),
+          jax.ShapeDtypeStruct((groups * B.BLOCKS_PER_GROUP,), jnp.int32),
+          jax.ShapeDtypeStruct((groups,), jnp.int32),
+          jax.ShapeDtypeStruct((1,), jnp.int32),
+      ],
+      input_output_aliases={1: 3},
+      interpret=interpret,
+      compiler_params=pltr.CompilerParams(num_warps=config.num_warps),
+      name="zipfusion_compress_single_pass_persistent",
+  )(bits2d.reshape(-1, 4), jnp.zeros((1,), jnp.int32))
+
+
+def _single_pass_call(bits2d, num_blocks: int, config, interpret, version: int):
+  """The one-program-per-tile kernel -> (payload, meta bytes, group offsets, ticket, state, probes
+  (, version 2: exception entries))."""
   groups = bits2d.shape[0] // B.BLOCKS_PER_GROUP
   tiles = groups // config.tile_groups
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   params = pltr.CompilerParams(num_warps=config.num_warps)
   window = 1 if config.scalar_look_back else look_back_window(config.num_warps, config.look_back_states)
   per_block = jax.ShapeDtypeStruct((groups * B.BLOCKS_PER_GROUP,), jnp.int32)
-  payload, meta, offsets, ticket, state, probes, *exceptions = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_single_pass_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, window=window,
                         max_probes=config.max_probes, ordered=config.ordered),
       grid=(tiles,),
@@ -409,12 +551,6 @@ def _single_pass(bits2d, num_blocks: int, config, interpret, version: int = 1):
       compiler_params=params,
       name="zipfusion_compress_single_pass",
   )(bits2d.reshape(-1, 4), bits2d, jnp.zeros((1,), jnp.int32), jnp.zeros((tiles + window,), jnp.int32))
-  # Units in use: the last tile's inclusive prefix, or (unordered) the unit counter.
-  total = (state[tiles - 1 : tiles] >> 2).astype(jnp.int32) if config.ordered else ticket
-  if config.zero_tail:
-    payload = zero_payload_tail(payload, total, num_warps=config.num_warps, interpret=interpret)
-  info = {"ticket": ticket[0], "state": state[:tiles], "probes": probes}
-  return payload, meta, offsets, total[0], info, (exceptions[0] if exceptions else None)
 
 
 def _plan(bits2d, config: CompressConfig, interpret: bool, version: int):

@@ -94,6 +94,63 @@ def test_unordered_single_pass_is_a_valid_stream_of_the_reference_groups():
     CompressConfig(ordered=False)
 
 
+def _special_blocks(n, seed=0):
+  """uint16 [n, 512]: random patterns with -0.0, NaN, Inf and subnormals mixed in, some blocks in-window."""
+  rng = np.random.default_rng(seed)
+  bits = rng.integers(0, 1 << 16, (n, 512)).astype(np.uint16)
+  narrow = rng.random(n) < 0.5  # exponents within 16 of each other: eligible blocks too
+  e = rng.integers(0, 241, (n, 1)) + rng.integers(0, 16, (n, 512))
+  bits[narrow] = ((bits[narrow] & 0x807F) | (e[narrow] << 7)).astype(np.uint16)
+  specials = np.array([0x8000, 0x0000, 0x7FC0, 0xFFC1, 0x7F80, 0xFF80, 0x0001, 0x807F, 0x0040], np.uint16)
+  mask = rng.random((n, 512)) < 0.02
+  bits[mask] = rng.choice(specials, mask.sum())
+  bits[0] = 0x8000  # all -0.0
+  bits[1] = np.tile(specials, 57)[:512]  # Inf, NaN, subnormals and zeros together
+  return bits
+
+
+def test_rule_from_the_pack_layout_equals_block_half_base():
+  """`_pack_half_base` on a block's x, y rows (as `_load_block` gives them) == `B.block_half_base`."""
+  from pallas_kernels.compress import _pack_half_base
+
+  bits = _special_blocks(300, seed=5)
+  pairs = bits.astype(np.int32).reshape(-1, 64, 2, 4)  # row 2k: positions 8k..8k+3 (x), row 2k+1: y
+  eligible, half_base = _pack_half_base(jnp.asarray(pairs[:, :, 0]), jnp.asarray(pairs[:, :, 1]))
+  want_eligible, want_half_base = B.block_half_base(jnp.asarray(bits))
+  assert 0 < int(np.sum(want_eligible)) < len(bits)
+  np.testing.assert_array_equal(np.asarray(eligible), np.asarray(want_eligible))
+  np.testing.assert_array_equal(np.asarray(half_base), np.asarray(want_half_base))
+
+
+@pytest.mark.parametrize("programs,tile_groups", [(1, 1), (2, 1), (2, 2), (200, 2)])
+def test_persistent_unordered_single_pass_is_a_valid_stream_of_the_reference_groups(programs, tile_groups):
+  """`persistent_programs` (each program loops over tiles p, p + P, ..., loading the next tile while it
+  stores this one): valid, bit-exact, the reference's bytes once canonicalised. 301 blocks: a partial
+  last group and tile; P = 200 exceeds the tiles (the grid is clamped)."""
+  x = _mixed_blocks(301, seed=21)
+  cfg = CompressConfig(single_pass=True, ordered=False, tile_groups=tile_groups, num_warps=1,
+                       persistent_programs=programs)
+  got, want = compress_pallas(x, config=cfg, interpret=True), zf.compress(x, impl="reference")
+  zf.validate(got)
+  np.testing.assert_array_equal(np.asarray(zf.decompress(got)).view(np.uint16), x.view(np.uint16))
+  _assert_same(zf.canonical_order(got), want)
+  offsets = np.asarray(got.group_meta)[:, 0] & B.OFFSET_MASK
+  if programs == 2:  # interpret mode runs program 0's tiles, then program 1's: not block order
+    assert np.any(np.diff(offsets.astype(np.int64)) < 0)
+
+
+def test_persistent_single_pass_configs_are_checked():
+  with pytest.raises(ValueError, match="persistent_programs"):
+    CompressConfig(single_pass=True, ordered=False, persistent_programs=-1)
+  with pytest.raises(ValueError, match="ordered=False"):
+    CompressConfig(single_pass=True, persistent_programs=4)
+  with pytest.raises(ValueError, match="single_pass"):
+    CompressConfig(ordered=False, persistent_programs=4)
+  cfg = CompressConfig(single_pass=True, ordered=False, tile_groups=1, num_warps=1, persistent_programs=2)
+  with pytest.raises(ValueError, match="version 1 only"):
+    compress_pallas(_exception_blocks(8), config=cfg, interpret=True, version=2)
+
+
 @pytest.mark.parametrize("config", [CompressConfig(zero_tail=False),
                                     CompressConfig(single_pass=True, tile_groups=2, num_warps=1, zero_tail=False)])
 def test_without_tail_zeroing_the_used_prefix_is_the_reference_s(config):
@@ -136,6 +193,8 @@ H200 = AbstractMesh(
                                             (CompressConfig(single_pass=True, num_warps=1, look_back_states=8), 1),
                                             (CompressConfig(single_pass=True, num_warps=1, ordered=False), 1),
                                             (CompressConfig(single_pass=True, num_warps=1, ordered=False), 2),
+                                            (CompressConfig(single_pass=True, tile_groups=1, num_warps=1, ordered=False,
+                                                            persistent_programs=8), 1),
                                             (CompressConfig(), 2)])
 def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config, version):
   def f(x):
@@ -149,6 +208,8 @@ def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config, version):
   calls = re.findall(r"stablehlo.custom_call @([\w$.]+)", text)
   assert calls.count("__gpu$xla.gpu.triton") == 2, calls
   names = ("single_pass", "zero_tail") if config.single_pass else ("plan", "pack")
+  if config.persistent_programs:
+    names += ("single_pass_persistent",)
   for name in names:
     assert f"zipfusion_compress_{name}" in text
 
