@@ -16,9 +16,12 @@ mkdir -p "$out"
 # kernel zipfusion_compressed_v2) and the compressor with the wider look-back windows (~60 s).
 # (2026-12-06, fourth session: one H100 after twelve refused starts; the unordered single pass, one
 # atomic per tile and no look-back, is the fastest compressor there, 938 us/GiB vs two-pass 1111,
-# wider look-back windows slower. On the H200: the compressor variants, then the attention table for
-# issue 10, then the 8K e2e of both models.)
-timeout -s KILL 230 python3 -m benchmarks.compress --variants single_pass_unordered_tile4_w4,single_pass_unordered_tile1_w1,single_pass_tile1_w1,two_pass_plan16_w4,single_pass_unordered_tile1_w1_nozero,two_pass_plan16_w4_nozero --out "$out/compress_h200.json" 2>&1 | grep -vE "Warning|^\s*$|compil"
+# wider look-back windows slower.) (Fifth session: the persistent unordered single pass, which loads
+# its next tile while it stores this one, is new and unmeasured; Engine.warm_up now compiles on
+# threads, which should cut the e2e rows' ~50 s compile phase.) On the H200, in one call: the 8K
+# e2e of Llama with format 2 next to format 1, the attention table for issues 4 and 10, the
+# compressor variants with the persistent ones and torch's copy rate; then Qwen3's 8K e2e.
+timeout -s KILL 130 python3 -m benchmarks.compress --variants single_pass_unordered_tile1_w1_p1056,single_pass_unordered_tile4_w4_p528,single_pass_unordered_tile1_w1_p2112,single_pass_unordered_tile4_w4,single_pass_unordered_tile1_w1,two_pass_plan16_w4,single_pass_unordered_tile1_w1_p1056_nozero,two_pass_plan16_w4_nozero --out "$out/compress_h200.json" 2>&1 | grep -vE "Warning|^\s*$|compil"
 for m in llama3.1-8b qwen3-8b; do XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 280 python3 -m benchmarks.e2e --models $m --contexts 8192 --systems zipfusion_v2,zipfusion,uncompressed --steps 256 --out "$out/e2e_${m}_8k_v2_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note|memory"; done
 timeout -s KILL 170 python3 -m benchmarks.attention --shapes 32x2048,8x8192 --out "$out/attention_h200.json" 2>&1 | grep -vE "^\s*$|Warning"
 timeout -s KILL 120 python3 -m benchmarks.compress --variants single_pass_tile1_w1,single_pass_tile1_w1_lb4,single_pass_tile1_w1_lb8,single_pass_tile2_w1_lb8,single_pass_tile1_w2_lb4,two_pass_plan16_w4 --out "$out/compress_h200.json" 2>&1 | grep -E "kernels|copy|BEST|rror"
