@@ -93,7 +93,8 @@ def run_shape(key, cfg, batch: int, context: int) -> list[dict]:
   for kernel, fn, args, nbytes in (
       ("cudnn_dense", dense_attention("cudnn", scale), (q, k, v), p["bf16_bytes"]),
       ("zipfusion_uncompressed", ours, (q, plain), p["bf16_bytes"]),
-      ("zipfusion_compressed", ours, (q, comp), p["comp_bytes"])):
+      ("zipfusion_compressed", ours, (q, comp), p["comp_bytes"]),
+      ("zipfusion_compressed_v2", ours, (q, p["comp2"]), p["comp2_bytes"])):  # format version 2
     t, _ = cupti_us(fn, *args)
     err = float(np.max(np.abs(np.asarray(fn(*args), np.float32) - ref)))
     rows.append(dict(base, kernel=kernel, time_us=t, bytes_read=int(nbytes), max_abs_err=err))
