@@ -94,26 +94,14 @@ def test_unordered_single_pass_is_a_valid_stream_of_the_reference_groups():
     CompressConfig(ordered=False)
 
 
-def _special_blocks(n, seed=0):
-  """uint16 [n, 512]: random patterns with -0.0, NaN, Inf and subnormals mixed in, some blocks in-window."""
-  rng = np.random.default_rng(seed)
-  bits = rng.integers(0, 1 << 16, (n, 512)).astype(np.uint16)
-  narrow = rng.random(n) < 0.5  # exponents within 16 of each other: eligible blocks too
-  e = rng.integers(0, 241, (n, 1)) + rng.integers(0, 16, (n, 512))
-  bits[narrow] = ((bits[narrow] & 0x807F) | (e[narrow] << 7)).astype(np.uint16)
-  specials = np.array([0x8000, 0x0000, 0x7FC0, 0xFFC1, 0x7F80, 0xFF80, 0x0001, 0x807F, 0x0040], np.uint16)
-  mask = rng.random((n, 512)) < 0.02
-  bits[mask] = rng.choice(specials, mask.sum())
-  bits[0] = 0x8000  # all -0.0
-  bits[1] = np.tile(specials, 57)[:512]  # Inf, NaN, subnormals and zeros together
-  return bits
-
-
-def test_rule_from_the_pack_layout_equals_block_half_base():
-  """`_pack_half_base` on a block's x, y rows (as `_load_block` gives them) == `B.block_half_base`."""
+def test_rule_from_the_pack_layout_equals_block_half_base(eligible_rotations, raw_rotations):
+  """`_pack_half_base` on a block's x, y rows (as `_load_block` gives them) == `B.block_half_base`, on
+  the exhaustive pattern sets (every 8th block: -0.0, NaN, Inf and subnormals among them) and on
+  blocks of scaled normals (odd minimum exponents, spans around 15)."""
   from pallas_kernels.compress import _pack_half_base
 
-  bits = _special_blocks(300, seed=5)
+  mixed = _mixed_blocks(300, seed=5).view(np.uint16)
+  bits = np.concatenate([eligible_rotations[::8], raw_rotations[::8], mixed])
   pairs = bits.astype(np.int32).reshape(-1, 64, 2, 4)  # row 2k: positions 8k..8k+3 (x), row 2k+1: y
   eligible, half_base = _pack_half_base(jnp.asarray(pairs[:, :, 0]), jnp.asarray(pairs[:, :, 1]))
   want_eligible, want_half_base = B.block_half_base(jnp.asarray(bits))
