@@ -96,6 +96,13 @@ class CompressConfig:
       a loop that loads tile t + P's blocks before it places and stores tile t (the loads in flight
       under the rule, the atomic and the stores), and decides the rule from those pack-layout
       blocks, so each block is read from HBM once. 0 (default): one program per tile.
+      H100, 1 GiB (2026-12-06, sixth session): 16 programs per SM 807 us + 81 us tail zeroing (8 per
+      SM: 888 us), against 855 us for the one-program-per-tile kernel: the tile's atomic, whose
+      answer the stores wait on, is the suspect.
+    offset_ahead: persistent programs only: take tile t + P's offset (its rule and the atomic) before
+      storing tile t, so the atomic's round trip runs under tile t's stores and tile t + 2P's loads
+      instead of stalling them. Costs a third tile of registers (the blocks being stored, the blocks
+      whose offset is in flight and the blocks being loaded).
     zero_tail: zero the payload past the units in use (docs/FORMAT.md §6: "rest zero"), so the
       whole array equals the reference's. False leaves those bytes unspecified (whatever the
       buffer held) and saves writing them (~0.45 B per value at 90% eligibility, a quarter of
@@ -113,6 +120,7 @@ class CompressConfig:
   ordered: bool = True
   zero_tail: bool = True
   persistent_programs: int = 0
+  offset_ahead: bool = False
 
   def __post_init__(self):
     for name in ("plan_blocks", "tile_groups", "look_back_states"):
@@ -130,6 +138,8 @@ class CompressConfig:
     if self.persistent_programs and (not self.single_pass or self.ordered):
       raise ValueError("persistent_programs > 0 is a variant of the unordered single pass "
                        "(single_pass=True, ordered=False)")
+    if self.offset_ahead and not self.persistent_programs:
+      raise ValueError("offset_ahead is a schedule of the persistent kernel (persistent_programs > 0)")
 
 
 def heuristic_config(num_blocks: int) -> CompressConfig:
@@ -401,40 +411,58 @@ def _as_lanes(scalars):
 
 
 def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, ticket_ref, *, num_blocks: int,
-                       tile_groups: int, tiles: int, programs: int):
+                       tile_groups: int, tiles: int, programs: int, offset_ahead: bool = False):
   # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array; the pack layout, read once)
   # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
   # meta_ref:    int32 [groups * 4], offset_ref: int32 [groups] (written for each tile's groups)
   # ticket_ref:  int32 [1], the unit counter (zero on entry, aliased in and out)
   #
   # The unordered single pass as `programs` persistent programs: program p takes tiles p, p + P,
-  # ... (P = programs). Each iteration first loads the next tile's blocks (clamped to the current
-  # tile past the end: an L2 hit whose values go unused), then decides the current tile's rules
+  # ... (P = programs). Each iteration first loads the next tile's blocks (clamped to the last
+  # tile past the end: values that go unused), then decides the current tile's rules
   # from its loaded blocks, takes its offset from the counter and stores it, so the next tile's
-  # loads are in flight under this tile's rule, atomic and stores.
+  # loads are in flight under this tile's rule, atomic and stores. With `offset_ahead` the
+  # iteration storing tile t has taken t's offset one iteration earlier: it loads tile t + 2P,
+  # places tile t + P (rule and atomic; the answer is first used one iteration later) and stores t.
   n = tile_groups * B.BLOCKS_PER_GROUP
   p = pl.program_id(0)
 
-  def load_tile(t):  # -> ((x, y) int32 [64, 4] per block of tile t)
+  def load_tile(t):  # -> ((x, y) int32 [64, 4] per block of tile t; past the end: the last tile's, unused)
+    t = jnp.minimum(t, tiles - 1)
     return tuple(_load_block(bits_ref, (t * n + k) * LOW_ROWS) for k in range(n))
 
-  def place_and_store(t, blocks):
-    b0 = t * n
+  def place(t, blocks):  # -> (meta, units, in-tile starts, tile offset) of tile t (nothing, past the end)
+    b0, exists = t * n, t < tiles
     rule = _as_lanes([B.block_meta_byte(*_pack_half_base(x, y)) for x, y in blocks])
-    meta = jnp.where(_present(b0, n, num_blocks), rule, B.META_ABSENT)
+    meta = jnp.where(_present(b0, n, num_blocks) & exists, rule, B.META_ABSENT)
     units, starts = _tile_sizes(meta)
-    meta_ref[pl.ds(b0, n)] = meta
-    excl = pltr.atomic_add(ticket_ref, (jnp.int32(0),), jnp.sum(units))
+
+    @pl.when(exists)
+    def _():
+      meta_ref[pl.ds(b0, n)] = meta
+
+    return meta, units, starts, pltr.atomic_add(ticket_ref, (jnp.int32(0),), jnp.sum(units))
+
+  def store(t, blocks, placed):
+    meta, units, starts, excl = placed
     _write_tile(payload_ref, offset_ref, t, excl, meta, units, starts, lambda k: blocks[k])
 
-  def body(i, blocks):
+  def body(i, carry):
     t = p + i * programs
-    upcoming = load_tile(t + programs * (t + programs < tiles).astype(jnp.int32))
-    place_and_store(t, blocks)
-    return upcoming
+    if not offset_ahead:
+      upcoming = load_tile(t + programs)
+      store(t, carry, place(t, carry))
+      return upcoming
+    blocks, placed, next_blocks = carry
+    upcoming = load_tile(t + 2 * programs)
+    next_placed = place(t + programs, next_blocks)  # the atomic's answer is used next iteration
+    store(t, blocks, placed)
+    return next_blocks, next_placed, upcoming
 
   count = (tiles - p + programs - 1) // programs  # >= 1: the grid has at most `tiles` programs
-  jax.lax.fori_loop(0, count, body, load_tile(p))
+  first = load_tile(p)
+  init = (first, place(p, first), load_tile(p + programs)) if offset_ahead else first
+  jax.lax.fori_loop(0, count, body, init)
 
 
 ZERO_PROGRAMS = 1024  # programs of the tail-zeroing kernel (a few per SM), each looping over windows
@@ -504,7 +532,7 @@ def _persistent_call(bits2d, num_blocks: int, config, interpret):
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   return pl.pallas_call(
       functools.partial(_persistent_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, tiles=tiles,
-                        programs=programs),
+                        programs=programs, offset_ahead=config.offset_ahead),
       grid=(programs,),
       in_specs=[any_spec] * 2,  # bits (pack rows), unit counter
       out_specs=[any_spec] * 4,  # payload, meta bytes, group offsets, unit counter

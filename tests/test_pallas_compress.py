@@ -110,14 +110,18 @@ def test_rule_from_the_pack_layout_equals_block_half_base(eligible_rotations, ra
   np.testing.assert_array_equal(np.asarray(half_base), np.asarray(want_half_base))
 
 
-@pytest.mark.parametrize("programs,tile_groups", [(1, 1), (2, 1), (2, 2), (200, 2)])
-def test_persistent_unordered_single_pass_is_a_valid_stream_of_the_reference_groups(programs, tile_groups):
+@pytest.mark.parametrize("programs,tile_groups,offset_ahead", [(1, 1, False), (2, 1, False), (2, 2, False),
+                                                               (200, 2, False), (1, 1, True), (2, 1, True),
+                                                               (3, 2, True), (200, 2, True)])
+def test_persistent_unordered_single_pass_is_a_valid_stream_of_the_reference_groups(programs, tile_groups,
+                                                                                     offset_ahead):
   """`persistent_programs` (each program loops over tiles p, p + P, ..., loading the next tile while it
-  stores this one): valid, bit-exact, the reference's bytes once canonicalised. 301 blocks: a partial
-  last group and tile; P = 200 exceeds the tiles (the grid is clamped)."""
+  stores this one; with `offset_ahead`, placing the next tile before storing this one): valid,
+  bit-exact, the reference's bytes once canonicalised. 301 blocks: a partial last group and tile;
+  P = 200 exceeds the tiles (the grid is clamped); P = 3 leaves programs with unequal tile counts."""
   x = _mixed_blocks(301, seed=21)
   cfg = CompressConfig(single_pass=True, ordered=False, tile_groups=tile_groups, num_warps=1,
-                       persistent_programs=programs)
+                       persistent_programs=programs, offset_ahead=offset_ahead)
   got, want = compress_pallas(x, config=cfg, interpret=True), zf.compress(x, impl="reference")
   zf.validate(got)
   np.testing.assert_array_equal(np.asarray(zf.decompress(got)).view(np.uint16), x.view(np.uint16))
@@ -134,6 +138,8 @@ def test_persistent_single_pass_configs_are_checked():
     CompressConfig(single_pass=True, persistent_programs=4)
   with pytest.raises(ValueError, match="single_pass"):
     CompressConfig(ordered=False, persistent_programs=4)
+  with pytest.raises(ValueError, match="offset_ahead"):
+    CompressConfig(single_pass=True, ordered=False, offset_ahead=True)
   cfg = CompressConfig(single_pass=True, ordered=False, tile_groups=1, num_warps=1, persistent_programs=2)
   with pytest.raises(ValueError, match="version 1 only"):
     compress_pallas(_exception_blocks(8), config=cfg, interpret=True, version=2)
@@ -183,6 +189,8 @@ H200 = AbstractMesh(
                                             (CompressConfig(single_pass=True, num_warps=1, ordered=False), 2),
                                             (CompressConfig(single_pass=True, tile_groups=1, num_warps=1, ordered=False,
                                                             persistent_programs=8), 1),
+                                            (CompressConfig(single_pass=True, tile_groups=1, num_warps=1, ordered=False,
+                                                            persistent_programs=8, offset_ahead=True), 1),
                                             (CompressConfig(), 2)])
 def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config, version):
   def f(x):
