@@ -431,21 +431,26 @@ def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, 
     t = jnp.minimum(t, tiles - 1)
     return tuple(_load_block(bits_ref, (t * n + k) * LOW_ROWS) for k in range(n))
 
-  def place(t, blocks):  # -> (meta, units, in-tile starts, tile offset) of tile t (nothing, past the end)
+  def place(t, blocks):  # -> (meta bytes, tile offset) of tile t (nothing, past the end)
     b0, exists = t * n, t < tiles
-    rule = _as_lanes([B.block_meta_byte(*_pack_half_base(x, y)) for x, y in blocks])
-    meta = jnp.where(_present(b0, n, num_blocks) & exists, rule, B.META_ABSENT)
-    units, starts = _tile_sizes(meta)
+    # Per-block scalars throughout (a block's rule is a scalar after its reductions): no lane
+    # vector to pick from again, so no extra cross-lane reductions per block.
+    meta = tuple(jnp.where((b0 + k < num_blocks) & exists, B.block_meta_byte(*_pack_half_base(x, y)), B.META_ABSENT)
+                 for k, (x, y) in enumerate(blocks))
 
     @pl.when(exists)
     def _():
-      meta_ref[pl.ds(b0, n)] = meta
+      meta_ref[pl.ds(b0, n)] = _as_lanes(meta)
 
-    return meta, units, starts, pltr.atomic_add(ticket_ref, (jnp.int32(0),), jnp.sum(units))
+    return meta, pltr.atomic_add(ticket_ref, (jnp.int32(0),), sum(block_units_int(mb) for mb in meta))
 
   def store(t, blocks, placed):
-    meta, units, starts, excl = placed
-    _write_tile(payload_ref, offset_ref, t, excl, meta, units, starts, lambda k: blocks[k])
+    meta, unit = placed
+    for k, (x, y) in enumerate(blocks):  # unrolled: independent stores
+      if k % B.BLOCKS_PER_GROUP == 0:
+        offset_ref[t * tile_groups + k // B.BLOCKS_PER_GROUP] = unit
+      _store_block(payload_ref, unit, meta[k], x, y)
+      unit = unit + block_units_int(meta[k])
 
   def body(i, carry):
     t = p + i * programs
