@@ -169,6 +169,8 @@ def main():
       "single_pass_unordered_tile1_w1_p1056_nozero": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
                                                                     ordered=False, persistent_programs=132 * 8,
                                                                     zero_tail=False),
+      "single_pass_unordered_tile1_w1_p1584": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
+                                                             ordered=False, persistent_programs=132 * 12),
       # The atomic taken one tile ahead (`offset_ahead`): its round trip runs under the stores.
       "single_pass_unordered_tile1_w1_p1056_ahead": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
                                                                    ordered=False, persistent_programs=132 * 8,
