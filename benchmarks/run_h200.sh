@@ -47,7 +47,7 @@ XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 560 python3 -m benchmarks.e2
 # 1f. The motivating decomposition: batch 32, 2048-token prompts, no budget limit, all three systems.
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 560 python3 -m benchmarks.e2e --models llama3.1-8b --contexts "" --decomposition --steps 256 --out "$out/e2e_decomposition_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note|memory"
 # 1c. The page-decompression kernel (decompress-then-attend's restore): bit-exact pages + timing, with
-# the whole-row tile stores next to it (restore_pages_pallas_tile_stores: if faster, make it the default).
+# the scattered stores next to it (restore_pages_pallas_scatter; the row stores became the default, 2026-12-06).
 timeout -s KILL 150 python3 -m benchmarks.attention --shapes 32x2048 --out "$out/attention_dta_h200.json" 2>&1 | grep -vE "^\s*$|Warning"
 # 2. The single-pass compressor with the strided tail zeroing (was 174 us of its 987 us), against two-pass.
 timeout -s KILL 300 python3 -m benchmarks.compress --variants single_pass_tile2_w1,single_pass_tile4_w4,two_pass_plan16_w4 --out "$out/compress_h200.json" 2>&1 | grep --line-buffered -vE "Warning|^\s*$"

@@ -9,8 +9,9 @@ K or V) of `restore_pages`' store (groups packed in (head, page, kind) order, do
 its word 0 gives the group's first unit and format version, word 1 the per-slot bytes. For each
 of the page's 2 (head_dim 64) or 4 (head_dim 128) blocks the program loads the low plane and
 either the code plane (12-bit block) or the high plane (raw block), restores the high bytes
-with `block.code_high_bytes` (the reference's own arithmetic), and scatters the 512 BF16 values straight to
-their page positions (`layout.page_permutation`), so no block-order copy is ever written.
+with `block.code_high_bytes` (the reference's own arithmetic), permutes the 512 BF16 values in
+registers into whole page rows and stores them at their page positions (`layout.page_permutation`;
+`tile_stores=False` scatters them one by one instead), so no block-order copy is ever written.
 
 Reads are bounded as the reference's (`codec.decompress_reference`): a slot of an unknown
 version, or one whose read (3 units for a 12-bit slot, else 4) does not lie wholly inside the
@@ -53,14 +54,15 @@ class DecompressConfig:
     groups_per_program: consecutive groups (one page's K or V each) a program restores.
     num_warps: Triton warps per program.
     tile_stores: write each block's 512 values as strided tiles of whole rows (K: 16 tokens x
-      2 runs of 8 dims per half; V: 8 tokens x 32 dims per half), permuted in registers,
-      instead of scattering 2-byte values by index (`_tile_index`). Bit-exact interpreted;
-      not yet run on a GPU (2026-12-06), so off.
+      2 runs of 8 dims per half; V: 8 tokens x 32 dims per half), permuted in registers
+      (default), instead of scattering 2-byte values by index (`_tile_index`, False). H200,
+      2026-12-06, Llama-3.1-8B pages at 32 x 2048 and 8 x 8192: 195.6 / 195.5 us (2.44 TB/s of
+      compressed read + BF16 write) against 237.4 / 238.1 us scattered, pages bit-exact both ways.
   """
 
   groups_per_program: int = 2
   num_warps: int = 4
-  tile_stores: bool = False
+  tile_stores: bool = True
 
   def __post_init__(self):
     v = self.groups_per_program
