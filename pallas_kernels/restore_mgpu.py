@@ -185,18 +185,23 @@ def exception_biases(ops, frag, entry, flagged, half_base):
   its `e >> 1` in that byte of the bias decodes it exactly (sign from the code, no carry: e >> 1
   <= 127). That byte is hb + (e >> 1 - hb): adding `(e >> 1 - hb) << 8 (p & 3)` to the bias
   word (32-bit wrap) borrows nothing, since the byte only drops to e >> 1 >= 0. Position p is
-  byte p & 3 of Hx (p & 4 == 0) or Hy of fragment p >> 3, i.e. word `p >> 2 = 2 frag (+1)`.
-  The per-block terms (key, delta) do not depend on `frag`, so a block's fragments share them
-  (LLVM's CSE). Written against `ops` (MLIR or numpy) so the same code is tested off-GPU.
+  byte p & 3 of Hx (p & 4 == 0) or Hy of fragment p >> 3.
+  Everything but the last three ops is per block (the fragment's terms do not enter it): the
+  patched word pair (Bx*, By*) and the exception's fragment (none: -1), so each fragment costs
+  one compare and two selects, the consumer's whole version-2 surcharge on a fragment
+  (a block's fragments share the rest through LLVM's CSE). Written against `ops` (MLIR or numpy)
+  so the same code is tested off-GPU.
   """
   c = ops.const
   bias = ops.mul(half_base, c(0x01010101))
   p = ops.and_(entry, c((1 << FB.POSITION_BITS) - 1))
-  delta = ops.shl(ops.sub(ops.shr(entry, c(FB.POSITION_BITS)), half_base), ops.shl(ops.and_(p, c(3)), c(3)))
-  key = ops.select(flagged, ops.shr(p, c(2)), c(0xFFFFFFFF))  # word of the exception, or none
-  word_x = ops.shl(frag, c(1))
-  pick = lambda word: ops.add(bias, ops.select(ops.eq(key, word), delta, c(0)))
-  return pick(word_x), pick(ops.add(word_x, c(1)))
+  patched = ops.add(bias, ops.shl(ops.sub(ops.shr(entry, c(FB.POSITION_BITS)), half_base),
+                                  ops.shl(ops.and_(p, c(3)), c(3))))
+  in_x = ops.eq(ops.and_(p, c(4)), c(0))
+  hit_x, hit_y = ops.select(in_x, patched, bias), ops.select(in_x, bias, patched)
+  target = ops.select(flagged, ops.shr(p, c(3)), c(0xFFFFFFFF))  # the exception's fragment, or none
+  hit = ops.eq(frag, target)
+  return ops.select(hit, hit_x, bias), ops.select(hit, hit_y, bias)
 
 
 def _decode_fragments_v2(parts):
