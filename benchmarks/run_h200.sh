@@ -8,27 +8,20 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
-# 0. (2026-12-06, third session: the H200 was refused all session; the register cap ran on the H100:
-# ptxas honours it, 14/14 cases, format 2 now defaults to v_after_qk + 128 registers, 1.02x / 1.03x
-# format 1 per byte there; e2e on the H100 at 8K: format 2 1.307x, format 1 1.288x, real-KV 1.295x.)
-# First on the H200 (needs_h200=true), ~230 s a model: both 8K e2e with format 2 next to format 1,
-# then the attention table at the two target shapes (issue 4's ratio, issue 10's per-byte ratio as
-# kernel zipfusion_compressed_v2) and the compressor with the wider look-back windows (~60 s).
-# (2026-12-06, fourth session: one H100 after twelve refused starts; the unordered single pass, one
-# atomic per tile and no look-back, is the fastest compressor there, 938 us/GiB vs two-pass 1111,
-# wider look-back windows slower.) (Fifth session: the persistent unordered single pass, which loads
-# its next tile while it stores this one, is new and unmeasured; Engine.warm_up now compiles on
-# threads, which should cut the e2e rows' ~50 s compile phase.) On the H200, in one call: the 8K
-# e2e of Llama with format 2 next to format 1, the attention table for issues 4 and 10, the
-# compressor variants with the persistent ones and torch's copy rate; then Qwen3's 8K e2e.
-# (Sixth session: the persistent kernel ran on the H100 only, 894.8 us per GiB at 16 programs per
-# SM; offset_ahead, which takes the next tile's atomic before storing this one, is unmeasured.
-# Each variant's whole output is now checked against the reference: one compile per variant.)
-timeout -s KILL 210 python3 -m benchmarks.attention --shapes 32x2048,8x8192 --out "$out/attention_h200.json" 2>&1 | grep -vE "^\s*$|Warning"
-timeout -s KILL 250 python3 -m benchmarks.compress --variants single_pass_unordered_tile1_w1_p2112,single_pass_unordered_tile1_w1_p1056_ahead,two_pass_plan16_w4,single_pass_unordered_tile1_w1_p2112_nozero,single_pass_unordered_tile1_w1_p1584 --out "$out/compress_h200.json" 2>&1 | grep -vE "Warning|^\s*$"
-for m in llama3.1-8b qwen3-8b; do XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 280 python3 -m benchmarks.e2e --models $m --contexts 8192 --systems zipfusion_v2,zipfusion,uncompressed --steps 256 --out "$out/e2e_${m}_8k_v2_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note|memory"; done
-timeout -s KILL 120 python3 -m benchmarks.compress --variants single_pass_tile1_w1,single_pass_tile1_w1_lb4,single_pass_tile1_w1_lb8,single_pass_tile2_w1_lb8,single_pass_tile1_w2_lb4,two_pass_plan16_w4 --out "$out/compress_h200.json" 2>&1 | grep -E "kernels|copy|BEST|rror"
-timeout -s KILL 120 python3 -m benchmarks.kernel_resources --out "$out/kernel_resources_h200.json" 2>&1 | grep --line-buffered -E "registers|rror"
+# 0. (Seventh session, 2026-12-06: the H200 ran the attention table at the two target shapes, the
+# compressor variants and the e2e rows; RESULTS.md "The H200 at last". Format 2 is 1.10x / 1.12x
+# format 1 per byte there, consumer-bound; its exception biases now cost a fragment one compare
+# and two selects, unmeasured.) Next, in one call (~450 s): format 2's correctness with the new
+# biases under its default knobs (14 cases, bit-equal to BF16 pages), the attention table at the
+# two target shapes (issue 10's per-byte ratio), then where format 2's time goes (copies alone,
+# compute alone). Then the e2e settings still missing (one model per call): Qwen3 at 2K / 32K,
+# the whole-H200 budget at 2K / 32K, decompress-then-attend at 48 GiB with the row-store restore.
+timeout -s KILL 200 python3 -m benchmarks.fused_kernel_check --quick --skip-timing --sweep '[{"stages":2,"v_after_qk":true,"max_registers":128}]' --out "$out/fused_kernel_v2_bias_h200.json" 2>&1 | grep -E "PASS|FAIL"
+timeout -s KILL 150 python3 -m benchmarks.attention --shapes 32x2048,8x8192 --out "$out/attention_h200_target_shapes.json" 2>&1 | grep -vE "^\s*$|Warning"  # merge into attention_h200.json (rows carry dates)
+timeout -s KILL 120 python3 -m benchmarks.fused_kernel_check --quick --skip-correctness --sweep '[{"stages":2,"v_after_qk":true,"max_registers":128,"timing_probe":"copies"},{"stages":2,"v_after_qk":true,"max_registers":128,"timing_probe":"compute"},{"stages":2,"v_after_qk":true,"timing_probe":"compute"}]' --out "$out/fused_kernel_v2_probes_h200.json" 2>&1 | grep -E "cudnn|zipfusion"
+for c in 2048 32768; do XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 280 python3 -m benchmarks.e2e --models qwen3-8b --contexts $c --systems zipfusion,uncompressed --steps 256 --out "$out/e2e_qwen3_${c}_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note|memory"; done
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 400 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 8192 --systems decompress_then_attend --steps 256 --out "$out/e2e_llama_8k_dta_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note|memory"
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 500 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 2048,32768 --budget-gib whole --systems zipfusion,uncompressed --steps 256 --out "$out/e2e_llama_2k32k_whole_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note|memory"
 # 1. (2026-12-06, later session) On the H100 every default passed all 14 cases and lazy_raw was no
 # faster (removed); e2e at 8K met issue 7's ratios there (1.335x / 1.374x, 3.20x / 3.17x DtA). Issue 7
 # wants the H200: the whole-H200 budget cannot fit an 80 GB card, so call 1a with needs_h200=true,
