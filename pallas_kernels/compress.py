@@ -26,8 +26,9 @@ atomic add of zeros, which erased the posted states on the GPU (interpret mode n
 `persistent_programs=P` (unordered, version 1): P programs loop over the tiles, each loading its next
 tile's blocks before placing and storing the current one (loads overlap the rule, the atomic and the
 stores) and deciding the rule from those loads, so each block is read once: 807 us + 81 us tail
-zeroing per GiB at 16 programs per SM on the H100 (2026-12-06), the fastest compressor there;
-`offset_ahead` (the next tile's atomic before this tile's stores) is not yet measured.
+zeroing per GiB at 16 programs per SM on the H100 and 749 + 57 us on the H200 (1.33 TB/s of
+input; 1.43 without the tail), the fastest compressor on both (2026-12-06); `offset_ahead` (the
+next tile's atomic before this tile's stores) is not faster on the H200 (763 us at 8 per SM).
 
 Backend: Pallas Triton. Placement of variable-size blocks needs scalar
 address arithmetic and strided/masked stores, which the Triton lowering
