@@ -157,6 +157,8 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool
     88.5 for one consumer at 3 stages (175 registers) and 88.4 / 93.2 uncapped `v_after_qk`.
   On the H200 (2026-12-06, morning): format 1 53.4 / 56.6 us (cuDNN 62.5 / 65.3; 62.2 / 66.2 at
   3 stages), format 2 with two consumers 63.9 / 59.1 us (83.4 / 85.1 at one consumer, 3 stages).
+  That evening, these defaults: format 1 54.3 / 57.3 us, format 2 (capped) 58.2 / 62.3 us, cuDNN
+  64.0 / 66.4 us: per compressed byte format 2 takes 1.10x / 1.12x format 1 on the H200.
   `consumers`: 1 (every store's choice) or 2. Two consumers share
   one CTA, so the grid then targets one CTA per SM, and the ring is 4 deep for 12-bit pages
   (each consumer owns 2 stages; ~157 KB of SMEM at D = 128), 2 for BF16 pages.
