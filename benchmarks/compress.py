@@ -114,19 +114,9 @@ def check_exact(x, c_kernel, c_ref, config):
   assert bool(same), "round trip is not bit-exact"
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--gib", type=float, default=1.0)
-  ap.add_argument("--out", default=None, help="default: benchmarks/results/compress_h200.json "
-                  "(--diagnose: compress_diagnose_h200.json)")
-  ap.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
-  ap.add_argument("--version", type=int, default=1, choices=(1, 2), help="format version written")
-  ap.add_argument("--diagnose", action="store_true", help="single-pass look-back bookkeeping, bounded probes")
-  args = ap.parse_args()
-  n = int(args.gib * 2**30) // 1024 // 64 * 64
-  x = synthetic_blocks(jax.random.key(0), n)
-  input_bytes = n * 1024
-  variants = {
+def variant_configs() -> dict[str, CompressConfig]:
+  """The benchmark's compressor variants by name (also `benchmarks.kernel_sass`'s)."""
+  return {
       # The single-pass tile is read in one vector load and written by unrolled per-block stores
       # (4 * tile_groups of them), so its size is bounded by registers and compile time.
       # Look-back reads: w1 = a warp-wide window of volatile loads (one load instruction, so every
@@ -188,7 +178,39 @@ def main():
       "single_pass_tile4_w4_scalar": CompressConfig(single_pass=True, tile_groups=4, scalar_look_back=True),
       "two_pass_plan16_w4": CompressConfig(),
       "two_pass_plan64_w8": CompressConfig(single_pass=False, plan_blocks=64, num_warps=8),
+      # The counter's acquire-release fetch-and-add (`fenced_counter=True`, every variant above
+      # before 2026-12-06, seventh session): a MEMBAR.ALL.GPU per tile; the relaxed one is default.
+      "single_pass_unordered_tile1_w1_p2112_fenced": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
+                                                                    ordered=False, persistent_programs=132 * 16,
+                                                                    fenced_counter=True),
+      # As many one-warp programs as its registers let an SM hold at once: 15 at the 132 registers
+      # Triton 3.9's ptxas gives it (benchmarks/kernel_sass.py; jaxlib's Triton may differ), so
+      # 16 per SM may run as 15 and a tail wave of 132 programs. `_p1584_ahead`: offset_ahead
+      # (168 registers there) at the 12 per SM that fit, its atomic now relaxed.
+      "single_pass_unordered_tile1_w1_p1980": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
+                                                             ordered=False, persistent_programs=132 * 15),
+      "single_pass_unordered_tile1_w1_p1584_ahead": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
+                                                                   ordered=False, persistent_programs=132 * 12,
+                                                                   offset_ahead=True),
+      "single_pass_unordered_tile1_w1_p1980_nozero": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
+                                                                    ordered=False, persistent_programs=132 * 15,
+                                                                    zero_tail=False),
   }
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--gib", type=float, default=1.0)
+  ap.add_argument("--out", default=None, help="default: benchmarks/results/compress_h200.json "
+                  "(--diagnose: compress_diagnose_h200.json)")
+  ap.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
+  ap.add_argument("--version", type=int, default=1, choices=(1, 2), help="format version written")
+  ap.add_argument("--diagnose", action="store_true", help="single-pass look-back bookkeeping, bounded probes")
+  args = ap.parse_args()
+  n = int(args.gib * 2**30) // 1024 // 64 * 64
+  x = synthetic_blocks(jax.random.key(0), n)
+  input_bytes = n * 1024
+  variants = variant_configs()
   if args.variants:
     unknown = set(args.variants.split(",")) - set(variants)
     if unknown:

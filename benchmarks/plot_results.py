@@ -22,7 +22,7 @@ RESULTS = HERE / "results"
 SYSTEMS = ("zipfusion", "zipfusion_v2", "uncompressed", "decompress_then_attend")
 COLORS = {"zipfusion": "tab:green", "zipfusion_v2": "tab:olive", "uncompressed": "tab:blue",
           "decompress_then_attend": "tab:red"}
-KERNELS = ("zipfusion_compressed", "zipfusion_uncompressed", "pallas_paged", "decompress_then_attend")
+KERNELS = ("zipfusion_compressed", "zipfusion_compressed_v2", "zipfusion_uncompressed", "pallas_paged", "decompress_then_attend")
 
 
 def _load(name: str) -> dict | None:

@@ -29,6 +29,10 @@ stores) and deciding the rule from those loads, so each block is read once: 807 
 zeroing per GiB at 16 programs per SM on the H100 and 749 + 57 us on the H200 (1.33 TB/s of
 input; 1.43 without the tail), the fastest compressor on both (2026-12-06); `offset_ahead` (the
 next tile's atomic before this tile's stores) is not faster on the H200 (763 us at 8 per SM).
+Every unordered placement takes its offsets with a relaxed fetch-and-add (`relaxed_atomic`):
+the counter only hands out disjoint ranges, and `pltr.atomic_add`'s acquire-release semantics
+cost a `MEMBAR.ALL.GPU` per tile (`benchmarks/kernel_sass.py`; every figure above had that
+fence: `fenced_counter=True` keeps it for the A/B).
 
 Backend: Pallas Triton. Placement of variable-size blocks needs scalar
 address arithmetic and strided/masked stores, which the Triton lowering
@@ -57,6 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels._platform import resolve_interpret
+from pallas_kernels.relaxed_atomic import relaxed_atomic_add
 from zipfusion_jax.format import block as B
 from zipfusion_jax.format import codec
 
@@ -111,6 +116,10 @@ class CompressConfig:
       buffer held) and saves writing them (~0.45 B per value at 90% eligibility, a quarter of
       the single pass's writes): for callers that read only the used prefix, as the serving
       engine and `compress_pages` do. Every byte before `payload_units * 256` is unchanged.
+    fenced_counter: unordered placement only: take offsets with `pltr.atomic_add`, whose
+      acquire-release semantics put a `MEMBAR.ALL.GPU` before every atomic (each tile waits for
+      all of its program's earlier stores to land), instead of the default relaxed fetch-and-add
+      (`relaxed_atomic`: the counter orders nothing, so no fence). The A/B of that fence.
   """
 
   single_pass: bool = False
@@ -124,6 +133,7 @@ class CompressConfig:
   zero_tail: bool = True
   persistent_programs: int = 0
   offset_ahead: bool = False
+  fenced_counter: bool = False
 
   def __post_init__(self):
     for name in ("plan_blocks", "tile_groups", "look_back_states"):
@@ -143,6 +153,8 @@ class CompressConfig:
                        "(single_pass=True, ordered=False)")
     if self.offset_ahead and not self.persistent_programs:
       raise ValueError("offset_ahead is a schedule of the persistent kernel (persistent_programs > 0)")
+    if self.fenced_counter and self.ordered:
+      raise ValueError("fenced_counter is a placement knob of the unordered single pass (ordered=False)")
 
 
 def heuristic_config(num_blocks: int) -> CompressConfig:
@@ -335,7 +347,7 @@ def _look_back(state_ref, t, first, window: int = LOOK_BACK, max_probes: int = 0
 
 def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref, meta_ref, offset_ref, ticket_ref,
                         state_ref, probes_ref, *exception_ref, num_blocks: int, tile_groups: int, window: int,
-                        max_probes: int, ordered: bool = True):
+                        max_probes: int, ordered: bool = True, fenced_counter: bool = False):
   # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array; the pack layout of the blocks)
   # blocks_ref:  uint16 [groups * 4, 512] (whole array; the same bytes, one block per row)
   # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
@@ -376,9 +388,16 @@ def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref
     probes_ref[t] = probes
     pltr.atomic_add(state_ref, (t,), (((excl + size) << 2) | FLAG_INCLUSIVE) - posted)
   else:
-    excl = pltr.atomic_add(ticket_ref, (jnp.int32(0),), size)
+    excl = _counter_add(ticket_ref, size, fenced_counter)
   block_xy = lambda k: _load_block(bits_ref, (b0 + k) * LOW_ROWS)  # re-read (L2)
   _write_tile(payload_ref, offset_ref, t, excl, meta, units, starts, block_xy, exception)
+
+
+def _counter_add(ticket_ref, units, fenced: bool):
+  """The unit counter's old value, `units` added: a relaxed fetch-and-add (the counter only hands
+  out disjoint ranges), or with `fenced` the acquire-release `pltr.atomic_add`."""
+  add = pltr.atomic_add if fenced else relaxed_atomic_add
+  return add(ticket_ref, (jnp.int32(0),), units)
 
 
 def _present(b0, n, num_blocks):
@@ -414,7 +433,8 @@ def _as_lanes(scalars):
 
 
 def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, ticket_ref, *, num_blocks: int,
-                       tile_groups: int, tiles: int, programs: int, offset_ahead: bool = False):
+                       tile_groups: int, tiles: int, programs: int, offset_ahead: bool = False,
+                       fenced_counter: bool = False):
   # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array; the pack layout, read once)
   # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
   # meta_ref:    int32 [groups * 4], offset_ref: int32 [groups] (written for each tile's groups)
@@ -445,7 +465,7 @@ def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, 
     def _():
       meta_ref[pl.ds(b0, n)] = _as_lanes(meta)
 
-    return meta, pltr.atomic_add(ticket_ref, (jnp.int32(0),), sum(block_units_int(mb) for mb in meta))
+    return meta, _counter_add(ticket_ref, sum(block_units_int(mb) for mb in meta), fenced_counter)
 
   def store(t, blocks, placed):
     meta, unit = placed
@@ -540,7 +560,7 @@ def _persistent_call(bits2d, num_blocks: int, config, interpret):
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   return pl.pallas_call(
       functools.partial(_persistent_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, tiles=tiles,
-                        programs=programs, offset_ahead=config.offset_ahead),
+                        programs=programs, offset_ahead=config.offset_ahead, fenced_counter=config.fenced_counter),
       grid=(programs,),
       in_specs=[any_spec] * 2,  # bits (pack rows), unit counter
       out_specs=[any_spec] * 4,  # payload, meta bytes, group offsets, unit counter
@@ -568,7 +588,8 @@ def _single_pass_call(bits2d, num_blocks: int, config, interpret, version: int):
   per_block = jax.ShapeDtypeStruct((groups * B.BLOCKS_PER_GROUP,), jnp.int32)
   return pl.pallas_call(
       functools.partial(_single_pass_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, window=window,
-                        max_probes=config.max_probes, ordered=config.ordered),
+                        max_probes=config.max_probes, ordered=config.ordered,
+                        fenced_counter=config.fenced_counter),
       grid=(tiles,),
       in_specs=[any_spec] * 4,  # bits (pack rows), bits (block rows), ticket, look-back state
       # payload, meta bytes, group offsets, ticket, state, probes (, version 2: exception entries)

@@ -330,3 +330,30 @@ def test_single_pass_bad_configs_are_refused():
 
   with pytest.raises(ValueError, match="bounded look-back"):  # diagnosing on a GPU needs the bound
     single_pass_diagnostics(x, CompressConfig(single_pass=True), interpret=False)
+
+
+@pytest.mark.parametrize("config,want", [
+    (CompressConfig(single_pass=True, tile_groups=1, num_warps=1, ordered=False, persistent_programs=8), {"relaxed"}),
+    (CompressConfig(single_pass=True, tile_groups=1, num_warps=1, ordered=False), {"relaxed"}),
+    (CompressConfig(single_pass=True, tile_groups=1, num_warps=1, ordered=False, persistent_programs=8,
+                    fenced_counter=True), {"acq_rel"}),
+    (CompressConfig(single_pass=True, num_warps=1), {"acq_rel"}),  # the ordered look-back publishes states
+])
+def test_the_unordered_counter_is_a_relaxed_atomic(config, want):
+  """The Triton module the GPU compiles (captured from the lowering for an abstract H200): the unit
+  counter's fetch-and-add orders nothing, so it carries no acquire-release fence (a MEMBAR.ALL.GPU
+  per tile in SASS); the A/B knob and the look-back's state posts keep theirs."""
+  from benchmarks.kernel_sass import capture_triton_modules
+
+  def f(x):
+    return compress_pallas(x, config=config, interpret=False).payload
+
+  modules = dict(capture_triton_modules(f, jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)))
+  main = next(text for name, text in modules.items() if "single_pass" in name)
+  semantics = set(re.findall(r"tt\.atomic_rmw \w+, (\w+),", main))
+  assert semantics == want, semantics
+
+
+def test_relaxed_counter_config_errors():
+  with pytest.raises(ValueError, match="fenced_counter"):
+    CompressConfig(single_pass=True, fenced_counter=True)  # ordered: the look-back, not a counter
