@@ -23,7 +23,6 @@ import json
 import pathlib
 import re
 import subprocess
-import sys
 import tempfile
 
 COMPILE = r"""
@@ -133,4 +132,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  sys.exit(main() and 0)
+  main()
