@@ -8,21 +8,22 @@ what another tile wrote), so that fence buys nothing and costs a store drain per
 (SASS of the persistent compressor, Triton 3.9 for sm_90: `benchmarks/kernel_sass.py`).
 
 `relaxed_atomic_add` is the same primitive otherwise: the same abstract evaluation, the same
-discharge rule (interpret mode) and the same lowering rule, run with `semantic=RELAXED` for the
-`tt.atomic_rmw` it emits. Pinned to jax 0.11.2's Pallas Triton internals, like the rest of
+discharge rule (interpret mode), and the stock lowering's pointer handling for an integer add,
+emitting `tt.atomic_rmw` with `semantic=RELAXED`. Pinned to jax 0.11.2's Pallas Triton internals, like the rest of
 `pallas_kernels`.
 """
 
 from __future__ import annotations
 
-import functools
-
 from jax._src import core as jax_core
+from jax._src import state
 from jax._src import tree_util
+from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import lowering
 from jax._src.pallas.triton import primitives as tp
 from jax._src.state import discharge as state_discharge
+from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
 
 relaxed_atomic_rmw_p = jax_core.Primitive("zipfusion_relaxed_atomic_rmw")
@@ -32,13 +33,27 @@ state_discharge.register_discharge_rule(relaxed_atomic_rmw_p)(tp._atomic_rmw_dis
 
 @lowering.register_lowering(relaxed_atomic_rmw_p)
 def _relaxed_lowering_rule(ctx, *args_flat, args_tree, atomic_type):
-  # The stock rule, with the one helper it calls for the tt.atomic_rmw bound to RELAXED.
-  stock = lowering._atomic_rmw
-  lowering._atomic_rmw = functools.partial(stock, semantic=tt_dialect.MemSemantic.RELAXED)
-  try:
-    return tp._atomic_lowering_rule(ctx, *args_flat, args_tree=args_tree, atomic_type=atomic_type)
-  finally:
-    lowering._atomic_rmw = stock
+  # The stock rule's pointer and value handling (integer add only), with RELAXED semantics. Not a
+  # swap of `lowering._atomic_rmw` around the stock rule: lowerings can run on several threads
+  # (`Engine.warm_up`), and a swapped module global would leak into another kernel's atomics.
+  if atomic_type != tp.AtomicOpType.ADD:
+    raise NotImplementedError(f"relaxed {atomic_type}")
+  block_info, *_ = ctx.block_infos
+  ptr, indexers, val, mask = args_tree.unflatten(args_flat)
+  *_, value_aval, mask_aval = args_tree.unflatten(ctx.avals_in)
+  indexers = list(indexers)
+  if not indexers or not isinstance(indexers[-1], indexing.NDIndexer):
+    ref_aval = state.transform_type(indexers, ctx.avals_in[0])
+    indexers.append(indexing.NDIndexer.make_trivial_indexer(ref_aval.shape))
+  if len(indexers) != 1:
+    raise NotImplementedError("Only a single indexer is supported.")
+  ptr = lowering._compute_pointers_from_indices(ptr, block_info, indexers[0])
+  val = lowering._ensure_ir_value(val, value_aval)
+  if not isinstance(val.type, ir.IntegerType):
+    raise NotImplementedError(f"relaxed_atomic_add of {val.type}: integer counters only")
+  mask = None if mask is None else lowering._ensure_ir_value(mask, mask_aval)
+  return lowering._atomic_rmw(tt_dialect.RMWOp.ADD, ptr, val, mask=mask,
+                              semantic=tt_dialect.MemSemantic.RELAXED)
 
 
 def relaxed_atomic_add(x_ref_or_view, idx, val):
