@@ -114,6 +114,13 @@ def check_exact(x, c_kernel, c_ref, config):
   assert bool(same), "round trip is not bit-exact"
 
 
+def _persistent_one_warp(per_sm: int, **knobs) -> CompressConfig:
+  """The persistent unordered single pass with one-group tiles and one-warp programs, `per_sm`
+  programs on each of the 132 SMs."""
+  return CompressConfig(single_pass=True, tile_groups=1, num_warps=1, ordered=False,
+                        persistent_programs=132 * per_sm, **knobs)
+
+
 def variant_configs() -> dict[str, CompressConfig]:
   """The benchmark's compressor variants by name (also `benchmarks.kernel_sass`'s)."""
   return {
@@ -150,27 +157,16 @@ def variant_configs() -> dict[str, CompressConfig]:
       # Persistent unordered single pass (`persistent_programs`, 8 or 16 per SM of the 132): a program
       # loops over tiles, loading the next tile's blocks while it places and stores this one, and
       # decides the rule from those loads (no second read of the blocks).
-      "single_pass_unordered_tile1_w1_p1056": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
-                                                             ordered=False, persistent_programs=132 * 8),
+      "single_pass_unordered_tile1_w1_p1056": _persistent_one_warp(8),
       "single_pass_unordered_tile4_w4_p528": CompressConfig(single_pass=True, tile_groups=4, ordered=False,
                                                             persistent_programs=132 * 4),
-      "single_pass_unordered_tile1_w1_p2112": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
-                                                             ordered=False, persistent_programs=132 * 16),
-      "single_pass_unordered_tile1_w1_p1056_nozero": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
-                                                                    ordered=False, persistent_programs=132 * 8,
-                                                                    zero_tail=False),
-      "single_pass_unordered_tile1_w1_p1584": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
-                                                             ordered=False, persistent_programs=132 * 12),
+      "single_pass_unordered_tile1_w1_p2112": _persistent_one_warp(16),
+      "single_pass_unordered_tile1_w1_p1056_nozero": _persistent_one_warp(8, zero_tail=False),
+      "single_pass_unordered_tile1_w1_p1584": _persistent_one_warp(12),
       # The atomic taken one tile ahead (`offset_ahead`): its round trip runs under the stores.
-      "single_pass_unordered_tile1_w1_p1056_ahead": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
-                                                                   ordered=False, persistent_programs=132 * 8,
-                                                                   offset_ahead=True),
-      "single_pass_unordered_tile1_w1_p2112_ahead": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
-                                                                   ordered=False, persistent_programs=132 * 16,
-                                                                   offset_ahead=True),
-      "single_pass_unordered_tile1_w1_p2112_nozero": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
-                                                                    ordered=False, persistent_programs=132 * 16,
-                                                                    zero_tail=False),
+      "single_pass_unordered_tile1_w1_p1056_ahead": _persistent_one_warp(8, offset_ahead=True),
+      "single_pass_unordered_tile1_w1_p2112_ahead": _persistent_one_warp(16, offset_ahead=True),
+      "single_pass_unordered_tile1_w1_p2112_nozero": _persistent_one_warp(16, zero_tail=False),
       "single_pass_tile1_w1_lb8_nozero": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
                                                         look_back_states=8, zero_tail=False),
       "two_pass_plan16_w4_nozero": CompressConfig(zero_tail=False),
@@ -180,21 +176,14 @@ def variant_configs() -> dict[str, CompressConfig]:
       "two_pass_plan64_w8": CompressConfig(single_pass=False, plan_blocks=64, num_warps=8),
       # The counter's acquire-release fetch-and-add (`fenced_counter=True`, every variant above
       # before 2026-12-06, seventh session): a MEMBAR.ALL.GPU per tile; the relaxed one is default.
-      "single_pass_unordered_tile1_w1_p2112_fenced": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
-                                                                    ordered=False, persistent_programs=132 * 16,
-                                                                    fenced_counter=True),
+      "single_pass_unordered_tile1_w1_p2112_fenced": _persistent_one_warp(16, fenced_counter=True),
       # As many one-warp programs as its registers let an SM hold at once: 15 at the 132 registers
       # Triton 3.9's ptxas gives it (benchmarks/kernel_sass.py; jaxlib's Triton may differ), so
       # 16 per SM may run as 15 and a tail wave of 132 programs. `_p1584_ahead`: offset_ahead
       # (168 registers there) at the 12 per SM that fit, its atomic now relaxed.
-      "single_pass_unordered_tile1_w1_p1980": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
-                                                             ordered=False, persistent_programs=132 * 15),
-      "single_pass_unordered_tile1_w1_p1584_ahead": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
-                                                                   ordered=False, persistent_programs=132 * 12,
-                                                                   offset_ahead=True),
-      "single_pass_unordered_tile1_w1_p1980_nozero": CompressConfig(single_pass=True, tile_groups=1, num_warps=1,
-                                                                    ordered=False, persistent_programs=132 * 15,
-                                                                    zero_tail=False),
+      "single_pass_unordered_tile1_w1_p1980": _persistent_one_warp(15),
+      "single_pass_unordered_tile1_w1_p1584_ahead": _persistent_one_warp(12, offset_ahead=True),
+      "single_pass_unordered_tile1_w1_p1980_nozero": _persistent_one_warp(15, zero_tail=False),
   }
 
 
