@@ -115,10 +115,10 @@ def check_exact(x, c_kernel, c_ref, config):
 
 
 def _persistent_one_warp(per_sm: int, **knobs) -> CompressConfig:
-  """The persistent unordered single pass with one-group tiles and one-warp programs, `per_sm`
-  programs on each of the 132 SMs."""
-  return CompressConfig(single_pass=True, tile_groups=1, num_warps=1, ordered=False,
-                        persistent_programs=132 * per_sm, **knobs)
+  """The persistent unordered single pass with one-warp programs (one-group tiles unless `knobs`
+  say otherwise), `per_sm` programs on each of the 132 SMs."""
+  return CompressConfig(**{"single_pass": True, "tile_groups": 1, "num_warps": 1, "ordered": False,
+                           "persistent_programs": 132 * per_sm, **knobs})
 
 
 def variant_configs() -> dict[str, CompressConfig]:
@@ -184,6 +184,12 @@ def variant_configs() -> dict[str, CompressConfig]:
       "single_pass_unordered_tile1_w1_p1980": _persistent_one_warp(15),
       "single_pass_unordered_tile1_w1_p1584_ahead": _persistent_one_warp(12, offset_ahead=True),
       "single_pass_unordered_tile1_w1_p1980_nozero": _persistent_one_warp(15, zero_tail=False),
+      # The rule and the stores on packed 32-bit words (`packed_words`, pallas_kernels/compress_words.py):
+      # 888 SASS instructions and 101 registers against 1576 and 132 (Triton 3.9, kernel_sass), so
+      # 19 one-warp programs fit an SM.
+      "single_pass_unordered_tile1_w1_p2112_words": _persistent_one_warp(16, packed_words=True),
+      "single_pass_unordered_tile1_w1_p2508_words": _persistent_one_warp(19, packed_words=True),
+      "single_pass_unordered_tile1_w1_p2508_words_nozero": _persistent_one_warp(19, packed_words=True, zero_tail=False),
   }
 
 

@@ -60,6 +60,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels import compress_words as W
 from pallas_kernels._platform import resolve_interpret
 from pallas_kernels.relaxed_atomic import relaxed_atomic_add
 from zipfusion_jax.format import block as B
@@ -120,6 +121,10 @@ class CompressConfig:
       acquire-release semantics put a `MEMBAR.ALL.GPU` before every atomic (each tile waits for
       all of its program's earlier stores to land), instead of the default relaxed fetch-and-add
       (`relaxed_atomic`: the counter orders nothing, so no fence). The A/B of that fence.
+    packed_words: persistent kernel only: keep each block as uint16 rows and do the rule and the
+      stores on packed 32-bit words (`compress_words`: one `prmt` gives four low or high bytes,
+      ten word ops four code bytes, `min.u16x2` / `max.u16x2` two patterns' extremes) instead of
+      one int32 per pattern; about a quarter of the instructions and half the registers.
   """
 
   single_pass: bool = False
@@ -134,6 +139,7 @@ class CompressConfig:
   persistent_programs: int = 0
   offset_ahead: bool = False
   fenced_counter: bool = False
+  packed_words: bool = False
 
   def __post_init__(self):
     for name in ("plan_blocks", "tile_groups", "look_back_states"):
@@ -155,6 +161,8 @@ class CompressConfig:
       raise ValueError("offset_ahead is a schedule of the persistent kernel (persistent_programs > 0)")
     if self.fenced_counter and self.ordered:
       raise ValueError("fenced_counter is a placement knob of the unordered single pass (ordered=False)")
+    if self.packed_words and not self.persistent_programs:
+      raise ValueError("packed_words is an arithmetic of the persistent kernel (persistent_programs > 0)")
 
 
 def heuristic_config(num_blocks: int) -> CompressConfig:
@@ -182,11 +190,11 @@ def block_units_int(mb):
   return is_compressed * B.COMPRESSED_UNITS + is_raw * B.RAW_UNITS
 
 
-def _load_block(bits_ref, row0):
-  """Rows row0.. of a uint16 [*, 4] ref holding one block -> x, y int32 [64, 4]."""
-  x = bits_ref[pl.ds(row0, 64, stride=2), :].astype(jnp.int32)
-  y = bits_ref[pl.ds(row0 + 1, 64, stride=2), :].astype(jnp.int32)
-  return x, y
+def _load_block(bits_ref, row0, widen: bool = True):
+  """Rows row0.. of a uint16 [*, 4] ref holding one block -> x, y int32 [64, 4] (uint16 without `widen`)."""
+  x = bits_ref[pl.ds(row0, 64, stride=2), :]
+  y = bits_ref[pl.ds(row0 + 1, 64, stride=2), :]
+  return (x.astype(jnp.int32), y.astype(jnp.int32)) if widen else (x, y)
 
 
 def _pack_half_base(x, y):
@@ -233,6 +241,25 @@ def _store_block(payload_ref, unit, mb, x, y, exception=None):
   def _high():
     payload_ref[pl.ds(row + LOW_ROWS, 64, stride=2), :] = (x >> 8).astype(jnp.uint8)
     payload_ref[pl.ds(row + LOW_ROWS + 1, 64, stride=2), :] = (y >> 8).astype(jnp.uint8)
+
+
+def _store_block_words(payload_ref, unit, mb, x, y, *, asm: bool):
+  """`_store_block` (version 1) from uint16 x, y [64, 4] on packed words (`compress_words`)."""
+  row = unit * ROWS_PER_UNIT
+
+  @pl.when(mb != B.META_ABSENT)
+  def _low():
+    payload_ref[pl.ds(row, 64, stride=2), :] = W.low_bytes(x, asm)
+    payload_ref[pl.ds(row + 1, 64, stride=2), :] = W.low_bytes(y, asm)
+
+  @pl.when(mb <= B.MAX_HALF_BASE)
+  def _codes():
+    payload_ref[pl.ds(row + LOW_ROWS, 64), :] = W.codes(x, y, W.replicated_half_base(mb), asm)
+
+  @pl.when(mb == B.META_RAW)
+  def _high():
+    payload_ref[pl.ds(row + LOW_ROWS, 64, stride=2), :] = W.high_bytes(x, asm)
+    payload_ref[pl.ds(row + LOW_ROWS + 1, 64, stride=2), :] = W.high_bytes(y, asm)
 
 
 WINDOW_ROWS = B.BLOCKS_PER_GROUP * B.RAW_UNITS * ROWS_PER_UNIT  # a group's worst case, 4 KiB
@@ -434,7 +461,7 @@ def _as_lanes(scalars):
 
 def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, ticket_ref, *, num_blocks: int,
                        tile_groups: int, tiles: int, programs: int, offset_ahead: bool = False,
-                       fenced_counter: bool = False):
+                       fenced_counter: bool = False, words: str = ""):
   # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array; the pack layout, read once)
   # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
   # meta_ref:    int32 [groups * 4], offset_ref: int32 [groups] (written for each tile's groups)
@@ -450,15 +477,20 @@ def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, 
   n = tile_groups * B.BLOCKS_PER_GROUP
   p = pl.program_id(0)
 
-  def load_tile(t):  # -> ((x, y) int32 [64, 4] per block of tile t; past the end: the last tile's, unused)
+  # words: "" (one int32 per pattern), "asm" or "jnp" (packed words, `compress_words`; "jnp" interpreted).
+  asm = words == "asm"
+  rule = (lambda x, y: W.block_rule(x, y, asm)) if words else _pack_half_base
+  store_block = functools.partial(_store_block_words, asm=asm) if words else _store_block
+
+  def load_tile(t):  # -> ((x, y) [64, 4] per block of tile t: int32, or uint16 with words; past the end: the last tile's, unused)
     t = jnp.minimum(t, tiles - 1)
-    return tuple(_load_block(bits_ref, (t * n + k) * LOW_ROWS) for k in range(n))
+    return tuple(_load_block(bits_ref, (t * n + k) * LOW_ROWS, widen=not words) for k in range(n))
 
   def place(t, blocks):  # -> (meta bytes, tile offset) of tile t (nothing, past the end)
     b0, exists = t * n, t < tiles
     # Per-block scalars throughout (a block's rule is a scalar after its reductions): no lane
     # vector to pick from again, so no extra cross-lane reductions per block.
-    meta = tuple(jnp.where((b0 + k < num_blocks) & exists, B.block_meta_byte(*_pack_half_base(x, y)), B.META_ABSENT)
+    meta = tuple(jnp.where((b0 + k < num_blocks) & exists, B.block_meta_byte(*rule(x, y)), B.META_ABSENT)
                  for k, (x, y) in enumerate(blocks))
 
     @pl.when(exists)
@@ -472,7 +504,7 @@ def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, 
     for k, (x, y) in enumerate(blocks):  # unrolled: independent stores
       if k % B.BLOCKS_PER_GROUP == 0:
         offset_ref[t * tile_groups + k // B.BLOCKS_PER_GROUP] = unit
-      _store_block(payload_ref, unit, meta[k], x, y)
+      store_block(payload_ref, unit, meta[k], x, y)
       unit = unit + block_units_int(meta[k])
 
   def body(i, carry):
@@ -560,7 +592,8 @@ def _persistent_call(bits2d, num_blocks: int, config, interpret):
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   return pl.pallas_call(
       functools.partial(_persistent_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, tiles=tiles,
-                        programs=programs, offset_ahead=config.offset_ahead, fenced_counter=config.fenced_counter),
+                        programs=programs, offset_ahead=config.offset_ahead, fenced_counter=config.fenced_counter,
+                        words=("jnp" if interpret else "asm") if config.packed_words else ""),
       grid=(programs,),
       in_specs=[any_spec] * 2,  # bits (pack rows), unit counter
       out_specs=[any_spec] * 4,  # payload, meta bytes, group offsets, unit counter
