@@ -190,6 +190,13 @@ def variant_configs() -> dict[str, CompressConfig]:
       "single_pass_unordered_tile1_w1_p2112_words": _persistent_one_warp(16, packed_words=True),
       "single_pass_unordered_tile1_w1_p2508_words": _persistent_one_warp(19, packed_words=True),
       "single_pass_unordered_tile1_w1_p2508_words_nozero": _persistent_one_warp(19, packed_words=True, zero_tail=False),
+      # Tiles from a counter after each program's first (`tile_counter`): a program that is not
+      # resident at launch finds the work done instead of running a whole share in a second wave.
+      "single_pass_unordered_tile1_w1_p2112_words_tc": _persistent_one_warp(16, packed_words=True, tile_counter=True),
+      "single_pass_unordered_tile1_w1_p2508_words_tc": _persistent_one_warp(19, packed_words=True, tile_counter=True),
+      "single_pass_unordered_tile1_w1_p4224_words_tc": _persistent_one_warp(32, packed_words=True, tile_counter=True),
+      "single_pass_unordered_tile1_w1_p2508_words_tc_nozero": _persistent_one_warp(19, packed_words=True, tile_counter=True,
+                                                                                  zero_tail=False),
   }
 
 

@@ -124,7 +124,14 @@ class CompressConfig:
     packed_words: persistent kernel only: keep each block as uint16 rows and do the rule and the
       stores on packed 32-bit words (`compress_words`: one `prmt` gives four low or high bytes,
       ten word ops four code bytes, `min.u16x2` / `max.u16x2` two patterns' extremes) instead of
-      one int32 per pattern; about a quarter of the instructions and half the registers.
+      one int32 per pattern: 888 SASS instructions and 101 registers against 1576 and 132 (Triton
+      3.9 for sm_90, `benchmarks/kernel_sass.py`).
+    tile_counter: persistent kernel only: after its first tile p, a program takes its next tiles
+      from a second relaxed counter (P, P + 1, ... in the order programs ask) instead of the fixed
+      p + P, p + 2P, ...: a program that is not resident at launch (more programs than the SM's
+      registers allow) finds the tiles taken and exits, instead of running its whole share after
+      the others (a second wave). The index of the tile after next is fetched while this tile is
+      placed and stored, so the next tile's loads never wait on it.
   """
 
   single_pass: bool = False
@@ -140,6 +147,7 @@ class CompressConfig:
   offset_ahead: bool = False
   fenced_counter: bool = False
   packed_words: bool = False
+  tile_counter: bool = False
 
   def __post_init__(self):
     for name in ("plan_blocks", "tile_groups", "look_back_states"):
@@ -163,6 +171,9 @@ class CompressConfig:
       raise ValueError("fenced_counter is a placement knob of the unordered single pass (ordered=False)")
     if self.packed_words and not self.persistent_programs:
       raise ValueError("packed_words is an arithmetic of the persistent kernel (persistent_programs > 0)")
+    if self.tile_counter and (not self.persistent_programs or self.offset_ahead):
+      raise ValueError("tile_counter is a schedule of the persistent kernel (persistent_programs > 0, "
+                       "without offset_ahead)")
 
 
 def heuristic_config(num_blocks: int) -> CompressConfig:
@@ -420,11 +431,14 @@ def _single_pass_kernel(bits_ref, blocks_ref, _ticket_in, _state_in, payload_ref
   _write_tile(payload_ref, offset_ref, t, excl, meta, units, starts, block_xy, exception)
 
 
-def _counter_add(ticket_ref, units, fenced: bool):
-  """The unit counter's old value, `units` added: a relaxed fetch-and-add (the counter only hands
+TICKET_WORDS, TILE_TICKET = 64, 32  # the persistent kernel's counters: units at word 0, tiles at word 32
+
+
+def _counter_add(ticket_ref, units, fenced: bool, index: int = 0):
+  """Counter `index`'s old value, `units` added: a relaxed fetch-and-add (the counter only hands
   out disjoint ranges), or with `fenced` the acquire-release `pltr.atomic_add`."""
   add = pltr.atomic_add if fenced else relaxed_atomic_add
-  return add(ticket_ref, (jnp.int32(0),), units)
+  return add(ticket_ref, (np.int32(index),), units)
 
 
 def _present(b0, n, num_blocks):
@@ -461,11 +475,12 @@ def _as_lanes(scalars):
 
 def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, ticket_ref, *, num_blocks: int,
                        tile_groups: int, tiles: int, programs: int, offset_ahead: bool = False,
-                       fenced_counter: bool = False, words: str = ""):
+                       fenced_counter: bool = False, words: str = "", tile_counter: bool = False):
   # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array; the pack layout, read once)
   # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
   # meta_ref:    int32 [groups * 4], offset_ref: int32 [groups] (written for each tile's groups)
-  # ticket_ref:  int32 [1], the unit counter (zero on entry, aliased in and out)
+  # ticket_ref:  int32 [TICKET_WORDS], the unit counter at 0 and the tile counter at TILE_TICKET (zero
+  #              on entry, aliased in and out; a line apart, so the two atomics do not share one)
   #
   # The unordered single pass as `programs` persistent programs: program p takes tiles p, p + P,
   # ... (P = programs). Each iteration first loads the next tile's blocks (clamped to the last
@@ -506,6 +521,22 @@ def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, 
         offset_ref[t * tile_groups + k // B.BLOCKS_PER_GROUP] = unit
       store_block(payload_ref, unit, meta[k], x, y)
       unit = unit + block_units_int(meta[k])
+
+  if tile_counter:  # tiles p, then P + (the tile counter's old value), asked for one tile ahead
+    one = p * 0 + 1  # traced: interpret mode's discharge turns a literal increment into a loop constant
+
+    def next_index():
+      return programs + _counter_add(ticket_ref, one, fenced=False, index=TILE_TICKET)
+
+    def dynamic_body(carry):
+      t, blocks, t1 = carry
+      upcoming = load_tile(t1)  # t1 came back during the previous tile's stores
+      t2 = next_index()  # used by the next iteration's loads
+      store(t, blocks, place(t, blocks))
+      return t1, upcoming, t2
+
+    jax.lax.while_loop(lambda carry: carry[0] < tiles, dynamic_body, (p, load_tile(p), next_index()))
+    return
 
   def body(i, carry):
     t = p + i * programs
@@ -590,24 +621,26 @@ def _persistent_call(bits2d, num_blocks: int, config, interpret):
   tiles = groups // config.tile_groups
   programs = min(config.persistent_programs, tiles)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  return pl.pallas_call(
+  payload, meta, offsets, counters = pl.pallas_call(
       functools.partial(_persistent_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, tiles=tiles,
                         programs=programs, offset_ahead=config.offset_ahead, fenced_counter=config.fenced_counter,
-                        words=("jnp" if interpret else "asm") if config.packed_words else ""),
+                        words=("jnp" if interpret else "asm") if config.packed_words else "",
+                        tile_counter=config.tile_counter),
       grid=(programs,),
-      in_specs=[any_spec] * 2,  # bits (pack rows), unit counter
-      out_specs=[any_spec] * 4,  # payload, meta bytes, group offsets, unit counter
+      in_specs=[any_spec] * 2,  # bits (pack rows), counters
+      out_specs=[any_spec] * 4,  # payload, meta bytes, group offsets, counters (units, tiles)
       out_shape=[
           jax.ShapeDtypeStruct((groups * WINDOW_ROWS, 4), jnp.uint8),
           jax.ShapeDtypeStruct((groups * B.BLOCKS_PER_GROUP,), jnp.int32),
           jax.ShapeDtypeStruct((groups,), jnp.int32),
-          jax.ShapeDtypeStruct((1,), jnp.int32),
+          jax.ShapeDtypeStruct((TICKET_WORDS,), jnp.int32),
       ],
       input_output_aliases={1: 3},
       interpret=interpret,
       compiler_params=pltr.CompilerParams(num_warps=config.num_warps),
       name="zipfusion_compress_single_pass_persistent",
-  )(bits2d.reshape(-1, 4), jnp.zeros((1,), jnp.int32))
+  )(bits2d.reshape(-1, 4), jnp.zeros((TICKET_WORDS,), jnp.int32))
+  return payload, meta, offsets, counters[:1]
 
 
 def _single_pass_call(bits2d, num_blocks: int, config, interpret, version: int):

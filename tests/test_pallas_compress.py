@@ -131,6 +131,24 @@ def test_persistent_unordered_single_pass_is_a_valid_stream_of_the_reference_gro
     assert np.any(np.diff(offsets.astype(np.int64)) < 0)
 
 
+@pytest.mark.parametrize("programs,packed_words", [(1, False), (3, True), (200, True)])
+def test_tiles_from_the_tile_counter_give_a_valid_stream_of_the_reference_groups(programs, packed_words):
+  """`tile_counter` (a program's tiles after its first come from a second counter): valid, bit-exact,
+  the reference's bytes once canonicalised; the counter hands out each tile once (interpret mode runs
+  program 0 first, which then takes every tile past the first P, so the others stop after their first)."""
+  x = _mixed_blocks(301, seed=22)
+  cfg = CompressConfig(single_pass=True, ordered=False, tile_groups=1, num_warps=1, persistent_programs=programs,
+                       packed_words=packed_words, tile_counter=True)
+  got, want = compress_pallas(x, config=cfg, interpret=True), zf.compress(x, impl="reference")
+  zf.validate(got)
+  np.testing.assert_array_equal(np.asarray(zf.decompress(got)).view(np.uint16), x.view(np.uint16))
+  _assert_same(zf.canonical_order(got), want)
+  with pytest.raises(ValueError, match="tile_counter"):
+    CompressConfig(single_pass=True, ordered=False, persistent_programs=8, offset_ahead=True, tile_counter=True)
+  with pytest.raises(ValueError, match="tile_counter"):
+    CompressConfig(single_pass=True, ordered=False, tile_counter=True)
+
+
 def test_persistent_single_pass_configs_are_checked():
   with pytest.raises(ValueError, match="persistent_programs"):
     CompressConfig(single_pass=True, ordered=False, persistent_programs=-1)
@@ -191,6 +209,9 @@ H200 = AbstractMesh(
                                                             persistent_programs=8), 1),
                                             (CompressConfig(single_pass=True, tile_groups=1, num_warps=1, ordered=False,
                                                             persistent_programs=8, offset_ahead=True), 1),
+                                            (CompressConfig(single_pass=True, tile_groups=1, num_warps=1, ordered=False,
+                                                            persistent_programs=8, packed_words=True,
+                                                            tile_counter=True), 1),
                                             (CompressConfig(), 2)])
 def test_lowers_for_an_abstract_h200_to_pallas_triton_calls(config, version):
   def f(x):
