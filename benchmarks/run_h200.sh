@@ -8,15 +8,15 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
-# 0. (Seventh session, 2026-12-06: the H200 ran the attention table at the two target shapes, the
-# compressor variants and the e2e rows; RESULTS.md "The H200 at last". Format 2 is 1.10x / 1.12x
-# format 1 per byte there, consumer-bound; its exception biases now cost a fragment one compare
-# and two selects, unmeasured; the compressor's counter is now a relaxed atomic, unmeasured.)
-# Next, in one call (~450 s): format 2's correctness with the new
-# biases under its default knobs (14 cases, bit-equal to BF16 pages), the attention table at the
-# two target shapes (issue 10's per-byte ratio), then where format 2's time goes (copies alone,
-# compute alone). Then the e2e settings still missing (one model per call): Qwen3 at 2K / 32K,
-# the whole-H200 budget at 2K / 32K, decompress-then-attend at 48 GiB with the row-store restore.
+# 0. (Eighth session, 2026-12-07.) The compressor on packed words (`packed_words`: 888 SASS
+# instructions and 101 registers against 1576 and 132) and with its tiles from a counter
+# (`tile_counter`: programs that are not resident at launch find the work done), against the
+# relaxed int32 kernel, on the H200 (~200 s; the H100 gave 826.6 vs 862.8 us, memory-bound there):
+timeout -s KILL 250 python3 -m benchmarks.compress --variants single_pass_unordered_tile1_w1_p2112,single_pass_unordered_tile1_w1_p2112_words,single_pass_unordered_tile1_w1_p2112_words_tc,single_pass_unordered_tile1_w1_p2508_words_tc,single_pass_unordered_tile1_w1_p4224_words_tc,single_pass_unordered_tile1_w1_p2508_words_tc_nozero --out "$out/compress_h200_words.json" 2>&1 | grep -vE "Warning|^\s*$"
+# Then, if not yet run: format 2's correctness with the one-compare exception biases (14 cases), the
+# attention table at the two target shapes (issue 10's per-byte ratio), format 2's probes, the
+# relaxed counter against the fenced one, and the e2e settings still missing (one model per call):
+# Qwen3 at 2K / 32K, the whole-H200 budget at 2K / 32K, decompress-then-attend at 48 GiB.
 timeout -s KILL 200 python3 -m benchmarks.fused_kernel_check --quick --skip-timing --sweep '[{"stages":2,"v_after_qk":true,"max_registers":128}]' --out "$out/fused_kernel_v2_bias_h200.json" 2>&1 | grep -E "PASS|FAIL"
 timeout -s KILL 150 python3 -m benchmarks.attention --shapes 32x2048,8x8192 --out "$out/attention_h200_target_shapes.json" 2>&1 | grep -vE "^\s*$|Warning"  # merge into attention_h200.json (rows carry dates)
 timeout -s KILL 120 python3 -m benchmarks.fused_kernel_check --quick --skip-correctness --sweep '[{"stages":2,"v_after_qk":true,"max_registers":128,"timing_probe":"copies"},{"stages":2,"v_after_qk":true,"max_registers":128,"timing_probe":"compute"},{"stages":2,"v_after_qk":true,"timing_probe":"compute"}]' --out "$out/fused_kernel_v2_probes_h200.json" 2>&1 | grep -E "cudnn|zipfusion"
