@@ -197,6 +197,14 @@ def variant_configs() -> dict[str, CompressConfig]:
       "single_pass_unordered_tile1_w1_p4224_words_tc": _persistent_one_warp(32, packed_words=True, tile_counter=True),
       "single_pass_unordered_tile1_w1_p2508_words_tc_nozero": _persistent_one_warp(19, packed_words=True, tile_counter=True,
                                                                                   zero_tail=False),
+      # Low and raw high bytes stored an x row and its y row at a time (`pair_rows`): whole sectors per warp store.
+      "single_pass_unordered_tile1_w1_p2112_pairs": _persistent_one_warp(16, packed_words=True, pair_rows=True),
+      "single_pass_unordered_tile1_w1_p2112_pairs_tc": _persistent_one_warp(16, packed_words=True, pair_rows=True,
+                                                                           tile_counter=True),
+      "single_pass_unordered_tile1_w1_p4224_pairs_tc": _persistent_one_warp(32, packed_words=True, pair_rows=True,
+                                                                           tile_counter=True),
+      "single_pass_unordered_tile1_w1_p4224_pairs_tc_nozero": _persistent_one_warp(32, packed_words=True, pair_rows=True,
+                                                                                  tile_counter=True, zero_tail=False),
   }
 
 

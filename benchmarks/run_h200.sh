@@ -10,9 +10,11 @@ out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
 # 0. (Eighth session, 2026-12-07.) The compressor on packed words (`packed_words`: 888 SASS
 # instructions and 101 registers against 1576 and 132) and with its tiles from a counter
-# (`tile_counter`: programs that are not resident at launch find the work done), against the
-# relaxed int32 kernel, on the H200 (~200 s; the H100 gave 826.6 vs 862.8 us, memory-bound there):
-timeout -s KILL 250 python3 -m benchmarks.compress --variants single_pass_unordered_tile1_w1_p2112,single_pass_unordered_tile1_w1_p2112_words,single_pass_unordered_tile1_w1_p2112_words_tc,single_pass_unordered_tile1_w1_p2508_words_tc,single_pass_unordered_tile1_w1_p4224_words_tc,single_pass_unordered_tile1_w1_p2508_words_tc_nozero --out "$out/compress_h200_words.json" 2>&1 | grep -vE "Warning|^\s*$"
+# (`tile_counter`: programs that are not resident at launch find the work done), and with its low
+# and raw high bytes stored a row pair at a time (`pair_rows`: every x-row or y-row store of the
+# other variants writes every other 4 bytes, half of each sector), against the relaxed int32
+# kernel, on the H200 (~250 s; the H100 gave 826.6 vs 862.8 us for words alone):
+timeout -s KILL 280 python3 -m benchmarks.compress --variants single_pass_unordered_tile1_w1_p2112,single_pass_unordered_tile1_w1_p2112_words,single_pass_unordered_tile1_w1_p2112_pairs,single_pass_unordered_tile1_w1_p2112_pairs_tc,single_pass_unordered_tile1_w1_p4224_pairs_tc,single_pass_unordered_tile1_w1_p4224_pairs_tc_nozero,single_pass_unordered_tile1_w1_p2508_words_tc --out "$out/compress_h200_words.json" 2>&1 | grep -vE "Warning|^\s*$"
 # Then, if not yet run: format 2's correctness with the one-compare exception biases (14 cases), the
 # attention table at the two target shapes (issue 10's per-byte ratio), format 2's probes, the
 # relaxed counter against the fenced one, and the e2e settings still missing (one model per call):

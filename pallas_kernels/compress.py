@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +127,11 @@ class CompressConfig:
       ten word ops four code bytes, `min.u16x2` / `max.u16x2` two patterns' extremes) instead of
       one int32 per pattern: 888 SASS instructions and 101 registers against 1576 and 132 (Triton
       3.9 for sm_90, `benchmarks/kernel_sass.py`).
+    pair_rows: packed words only: load each block as 64 pairs of pack-layout rows (an x row and its
+      y row, 16 contiguous bytes) and store its low and raw high bytes a pair at a time (8
+      contiguous bytes per thread), so every warp store covers whole 32-byte sectors; without it
+      the x rows and the y rows are stored in two passes that each write every other 4 bytes
+      (half of each sector: the L2 merges the halves, at twice the write transactions).
     tile_counter: persistent kernel only: after its first tile p, a program takes its next tiles
       from a second relaxed counter (P, P + 1, ... in the order programs ask) instead of the fixed
       p + P, p + 2P, ...: a program that is not resident at launch (more programs than the SM's
@@ -148,6 +154,7 @@ class CompressConfig:
   fenced_counter: bool = False
   packed_words: bool = False
   tile_counter: bool = False
+  pair_rows: bool = False
 
   def __post_init__(self):
     for name in ("plan_blocks", "tile_groups", "look_back_states"):
@@ -171,6 +178,8 @@ class CompressConfig:
       raise ValueError("fenced_counter is a placement knob of the unordered single pass (ordered=False)")
     if self.packed_words and not self.persistent_programs:
       raise ValueError("packed_words is an arithmetic of the persistent kernel (persistent_programs > 0)")
+    if self.pair_rows and not self.packed_words:
+      raise ValueError("pair_rows is a store layout of the packed-word persistent kernel (packed_words=True)")
     if self.tile_counter and (not self.persistent_programs or self.offset_ahead):
       raise ValueError("tile_counter is a schedule of the persistent kernel (persistent_programs > 0, "
                        "without offset_ahead)")
@@ -271,6 +280,28 @@ def _store_block_words(payload_ref, unit, mb, x, y, *, asm: bool):
   def _high():
     payload_ref[pl.ds(row + LOW_ROWS, 64, stride=2), :] = W.high_bytes(x, asm)
     payload_ref[pl.ds(row + LOW_ROWS + 1, 64, stride=2), :] = W.high_bytes(y, asm)
+
+
+def _store_block_pairs(payload_ref, unit, mb, x, y, v, *, asm: bool):
+  """`_store_block_words` into the payload as uint8 [*, 2, 4] (one 8-byte row pair per index): codes
+  from x, y uint16 [64, 4], low and raw high bytes from the same block as row pairs v uint16 [64, 2, 4]
+  (row pair k: x row k, y row k; threads holding an x row and its y row are neighbours, so each
+  warp store covers whole sectors)."""
+  pair = unit * ROWS_PER_UNIT // 2
+  low_pairs = LOW_ROWS // 2
+
+  @pl.when(mb != B.META_ABSENT)
+  def _low():
+    payload_ref[pl.ds(pair, 64), :, :] = W.low_bytes(v, asm)
+
+  @pl.when(mb <= B.MAX_HALF_BASE)
+  def _codes():
+    codes = W.codes(x, y, W.replicated_half_base(mb), asm)
+    payload_ref[pl.ds(pair + low_pairs, 32), :, :] = codes.reshape(32, 2, 4)
+
+  @pl.when(mb == B.META_RAW)
+  def _high():
+    payload_ref[pl.ds(pair + low_pairs, 64), :, :] = W.high_bytes(v, asm)
 
 
 WINDOW_ROWS = B.BLOCKS_PER_GROUP * B.RAW_UNITS * ROWS_PER_UNIT  # a group's worst case, 4 KiB
@@ -475,7 +506,8 @@ def _as_lanes(scalars):
 
 def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, ticket_ref, *, num_blocks: int,
                        tile_groups: int, tiles: int, programs: int, offset_ahead: bool = False,
-                       fenced_counter: bool = False, words: str = "", tile_counter: bool = False):
+                       fenced_counter: bool = False, words: str = "", tile_counter: bool = False,
+                       pair_rows: bool = False):
   # bits_ref:    uint16 [groups * 4 * 128, 4] (whole array; the pack layout, read once)
   # payload_ref: uint8 [groups * 16 * 64, 4] (whole array; the tail is zeroed by _zero_kernel)
   # meta_ref:    int32 [groups * 4], offset_ref: int32 [groups] (written for each tile's groups)
@@ -493,20 +525,36 @@ def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, 
   p = pl.program_id(0)
 
   # words: "" (one int32 per pattern), "asm" or "jnp" (packed words, `compress_words`; "jnp" interpreted).
+  # pair_rows: bits_ref and payload_ref are the same arrays as [*, 2, 4] (row pairs). A block is
+  # loaded as x, y rows (the rule, the codes) and read again as row pairs v [64, 2, 4] when it is
+  # stored (L1 hits, not carried across the iteration: registers). Splitting v into x and y in
+  # registers instead costs layout conversions through shared memory (Triton 3.9 SASS).
   asm = words == "asm"
-  rule = (lambda x, y: W.block_rule(x, y, asm)) if words else _pack_half_base
-  store_block = functools.partial(_store_block_words, asm=asm) if words else _store_block
+  if pair_rows:
+    rule = lambda x, y: W.block_rule(x, y, asm)
 
-  def load_tile(t):  # -> ((x, y) [64, 4] per block of tile t: int32, or uint16 with words; past the end: the last tile's, unused)
+    def store_block(ref, unit, mb, x, y, row0):
+      _store_block_pairs(ref, unit, mb, x, y, bits_ref[pl.ds(row0 // 2, 64), :, :], asm=asm)
+  else:
+    rule = (lambda x, y: W.block_rule(x, y, asm)) if words else _pack_half_base
+    store_block = functools.partial(_store_block_words, asm=asm) if words else _store_block
+
+  def load_block(row0):
+    if pair_rows:
+      pairs = pl.ds(row0 // 2, 64)
+      return bits_ref[pairs, 0, :], bits_ref[pairs, 1, :]
+    return _load_block(bits_ref, row0, widen=not words)
+
+  def load_tile(t):  # -> (x, y) [64, 4] per block of tile t: int32, or uint16 with words; past the end: the last tile's, unused
     t = jnp.minimum(t, tiles - 1)
-    return tuple(_load_block(bits_ref, (t * n + k) * LOW_ROWS, widen=not words) for k in range(n))
+    return tuple(load_block((t * n + k) * LOW_ROWS) for k in range(n))
 
   def place(t, blocks):  # -> (meta bytes, tile offset) of tile t (nothing, past the end)
     b0, exists = t * n, t < tiles
     # Per-block scalars throughout (a block's rule is a scalar after its reductions): no lane
     # vector to pick from again, so no extra cross-lane reductions per block.
-    meta = tuple(jnp.where((b0 + k < num_blocks) & exists, B.block_meta_byte(*rule(x, y)), B.META_ABSENT)
-                 for k, (x, y) in enumerate(blocks))
+    meta = tuple(jnp.where((b0 + k < num_blocks) & exists, B.block_meta_byte(*rule(*xy)), B.META_ABSENT)
+                 for k, xy in enumerate(blocks))
 
     @pl.when(exists)
     def _():
@@ -516,10 +564,10 @@ def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, 
 
   def store(t, blocks, placed):
     meta, unit = placed
-    for k, (x, y) in enumerate(blocks):  # unrolled: independent stores
+    for k, xy in enumerate(blocks):  # unrolled: independent stores
       if k % B.BLOCKS_PER_GROUP == 0:
         offset_ref[t * tile_groups + k // B.BLOCKS_PER_GROUP] = unit
-      store_block(payload_ref, unit, meta[k], x, y)
+      store_block(payload_ref, unit, meta[k], *xy, *([(t * n + k) * LOW_ROWS] if pair_rows else []))
       unit = unit + block_units_int(meta[k])
 
   if tile_counter:  # tiles p, then P + (the tile counter's old value), asked for one tile ahead
@@ -621,16 +669,17 @@ def _persistent_call(bits2d, num_blocks: int, config, interpret):
   tiles = groups // config.tile_groups
   programs = min(config.persistent_programs, tiles)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  rows = (-1, 2, 4) if config.pair_rows else (-1, 4)  # row pairs, or rows (free reshapes of the same bytes)
   payload, meta, offsets, counters = pl.pallas_call(
       functools.partial(_persistent_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, tiles=tiles,
                         programs=programs, offset_ahead=config.offset_ahead, fenced_counter=config.fenced_counter,
                         words=("jnp" if interpret else "asm") if config.packed_words else "",
-                        tile_counter=config.tile_counter),
+                        tile_counter=config.tile_counter, pair_rows=config.pair_rows),
       grid=(programs,),
       in_specs=[any_spec] * 2,  # bits (pack rows), counters
       out_specs=[any_spec] * 4,  # payload, meta bytes, group offsets, counters (units, tiles)
       out_shape=[
-          jax.ShapeDtypeStruct((groups * WINDOW_ROWS, 4), jnp.uint8),
+          jax.ShapeDtypeStruct((groups * WINDOW_ROWS * 4 // math.prod(rows[1:]), *rows[1:]), jnp.uint8),
           jax.ShapeDtypeStruct((groups * B.BLOCKS_PER_GROUP,), jnp.int32),
           jax.ShapeDtypeStruct((groups,), jnp.int32),
           jax.ShapeDtypeStruct((TICKET_WORDS,), jnp.int32),
@@ -639,8 +688,8 @@ def _persistent_call(bits2d, num_blocks: int, config, interpret):
       interpret=interpret,
       compiler_params=pltr.CompilerParams(num_warps=config.num_warps),
       name="zipfusion_compress_single_pass_persistent",
-  )(bits2d.reshape(-1, 4), jnp.zeros((TICKET_WORDS,), jnp.int32))
-  return payload, meta, offsets, counters[:1]
+  )(bits2d.reshape(rows), jnp.zeros((TICKET_WORDS,), jnp.int32))
+  return payload.reshape(-1, 4), meta, offsets, counters[:1]
 
 
 def _single_pass_call(bits2d, num_blocks: int, config, interpret, version: int):

@@ -152,15 +152,16 @@ def test_the_ptx_model_can_fail():
   assert _bytes(run_ptx(W.PTX["high"], a, b)).tolist() == [[0x12, 0x56, 0x9A, 0xDE]]
 
 
-@pytest.mark.parametrize("programs,zero_tail", [(1, True), (3, True), (200, False)])
-def test_persistent_kernel_on_packed_words_is_a_valid_stream_of_the_reference_groups(programs, zero_tail):
+@pytest.mark.parametrize("programs,zero_tail,pair_rows", [(1, True, False), (3, True, False), (200, False, False),
+                                                     (1, True, True), (3, False, True)])
+def test_persistent_kernel_on_packed_words_is_a_valid_stream_of_the_reference_groups(programs, zero_tail, pair_rows):
   rng = np.random.default_rng(21)
   x = (rng.normal(size=(301, 512)) * np.exp2(rng.uniform(-6, 3, (301, 1)))).astype(np.float32)
   raw = rng.random(301) < 0.3
   x[raw, rng.integers(0, 512, raw.sum())] = 1e-30
   x = x.astype(ml_dtypes.bfloat16)
   cfg = CompressConfig(single_pass=True, ordered=False, tile_groups=1, num_warps=1, persistent_programs=programs,
-                       packed_words=True, zero_tail=zero_tail)
+                       packed_words=True, zero_tail=zero_tail, pair_rows=pair_rows)
   got, want = compress_pallas(x, config=cfg, interpret=True), zf.compress(x, impl="reference")
   zf.validate(got)
   np.testing.assert_array_equal(np.asarray(zf.decompress(got)).view(np.uint16), x.view(np.uint16))
@@ -193,3 +194,5 @@ def test_packed_words_lower_to_the_inline_ptx_for_an_abstract_h200():
   assert "prmt.b32" not in plain[name] and "u16x2" not in plain[name]
   with pytest.raises(ValueError, match="packed_words"):
     CompressConfig(single_pass=True, ordered=False, packed_words=True)  # not persistent
+  with pytest.raises(ValueError, match="pair_rows"):
+    CompressConfig(single_pass=True, ordered=False, persistent_programs=8, pair_rows=True)  # int32 path
