@@ -32,7 +32,12 @@ next tile's atomic before this tile's stores) is not faster on the H200 (763 us 
 Every unordered placement takes its offsets with a relaxed fetch-and-add (`relaxed_atomic`):
 the counter only hands out disjoint ranges, and `pltr.atomic_add`'s acquire-release semantics
 cost a `MEMBAR.ALL.GPU` per tile (`benchmarks/kernel_sass.py`; every figure above had that
-fence: `fenced_counter=True` keeps it for the A/B).
+fence: `fenced_counter=True` keeps it for the A/B). Three further knobs of the persistent kernel
+(2026-12-07; H100 only so far, benchmarks/RESULTS.md): `packed_words` does the rule and the stores
+on packed 32-bit words through inline PTX (`compress_words`; 744 vs 777 us on the H100),
+`pair_rows` stores the low and raw high bytes a row pair at a time (whole sectors per warp store)
+and `tile_counter` hands out tiles from a counter (no second wave when programs outnumber the
+SM's room).
 
 Backend: Pallas Triton. Placement of variable-size blocks needs scalar
 address arithmetic and strided/masked stores, which the Triton lowering
