@@ -14,6 +14,8 @@ mkdir -p "$out"
 # and raw high bytes stored a row pair at a time (`pair_rows`: every x-row or y-row store of the
 # other variants writes every other 4 bytes, half of each sector), against the relaxed int32
 # kernel, on the H200 (~250 s; the H100 gave 826.6 vs 862.8 us for words alone):
+# First the store pattern alone (~20 s): copies that store like the compressor (half sectors) or whole sectors.
+timeout -s KILL 60 python3 -m benchmarks.store_pattern --out "$out/store_pattern_h200.json" 2>&1 | grep -E "sectors"
 timeout -s KILL 280 python3 -m benchmarks.compress --variants single_pass_unordered_tile1_w1_p2112,single_pass_unordered_tile1_w1_p2112_words,single_pass_unordered_tile1_w1_p2112_pairs,single_pass_unordered_tile1_w1_p2112_pairs_tc,single_pass_unordered_tile1_w1_p4224_pairs_tc,single_pass_unordered_tile1_w1_p4224_pairs_tc_nozero,single_pass_unordered_tile1_w1_p2508_words_tc --out "$out/compress_h200_words.json" 2>&1 | grep -vE "Warning|^\s*$"
 # Then, if not yet run: format 2's correctness with the one-compare exception biases (14 cases), the
 # attention table at the two target shapes (issue 10's per-byte ratio), format 2's probes, the

@@ -196,3 +196,13 @@ def test_packed_words_lower_to_the_inline_ptx_for_an_abstract_h200():
     CompressConfig(single_pass=True, ordered=False, packed_words=True)  # not persistent
   with pytest.raises(ValueError, match="pair_rows"):
     CompressConfig(single_pass=True, ordered=False, persistent_programs=8, pair_rows=True)  # int32 path
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_store_pattern_copies_are_exact(whole):
+  """`benchmarks.store_pattern`'s two copies (the compressor's half-sector stores, whole-sector stores) copy exactly."""
+  from benchmarks.store_pattern import PAIRS_PER_TILE, store_copy
+
+  src = jax.random.bits(jax.random.key(1), (5 * PAIRS_PER_TILE, 2, 4), jnp.uint8)
+  out = store_copy(src, programs=3, whole=whole, interpret=True)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(src))
