@@ -51,8 +51,8 @@ _CODES_PTX = """{
   or.b32 $0, t, dx;
 }"""
 
-# One asm per extreme (the Pallas lowering of a multi-result inline asm returns one value); ptxas
-# shares the two masks between them.
+# One asm per extreme: the Pallas lowering of a multi-result inline asm returns one value, so the
+# two masks are written twice (ptxas may merge them).
 _EXTREME_PTX = """{
   .reg .b32 a, b;
   and.b32 a, $1, 0x7fff7fff;
