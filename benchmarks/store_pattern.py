@@ -82,6 +82,7 @@ def main(argv=None):
   interpret = default_interpret()
   nbytes = int(a.gib * 2**30) if not interpret else 2**20
   tiles = nbytes // (PAIRS_PER_TILE * 8)
+  moved = 2 * tiles * PAIRS_PER_TILE * 8  # bytes read + written
   src = jax.random.bits(jax.random.key(0), (tiles * PAIRS_PER_TILE, 2, 4), jnp.uint8)
   rows = []
   for per_sm in (int(v) for v in a.programs_per_sm.split(",")):
@@ -91,8 +92,8 @@ def main(argv=None):
       equal = bool(np.array_equal(np.asarray(out), np.asarray(src)))
       t, kernels = cupti_us(f, src)
       name = "whole_sectors" if whole else "half_sectors"
-      rows.append({"pattern": name, "programs_per_sm": per_sm, "time_us": t, "bytes": 2 * tiles * PAIRS_PER_TILE * 8,
-                   "rw_tbps": 2 * tiles * PAIRS_PER_TILE * 8 / t / 1e6, "equal": equal, "kernel_times": kernels})
+      rows.append({"pattern": name, "programs_per_sm": per_sm, "time_us": t, "bytes": moved,
+                   "rw_tbps": moved / t / 1e6, "equal": equal, "kernel_times": kernels})
       print(f"{name:14s} {per_sm:2d}/SM {t:8.1f} us {rows[-1]['rw_tbps']:5.2f} TB/s r+w  equal={equal}", flush=True)
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "date": datetime.date.today().isoformat(), "input_bytes": tiles * PAIRS_PER_TILE * 8, "rows": rows}

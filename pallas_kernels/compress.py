@@ -535,14 +535,15 @@ def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, 
   # stored (L1 hits, not carried across the iteration: registers). Splitting v into x and y in
   # registers instead costs layout conversions through shared memory (Triton 3.9 SASS).
   asm = words == "asm"
-  if pair_rows:
-    rule = lambda x, y: W.block_rule(x, y, asm)
+  rule = (lambda x, y: W.block_rule(x, y, asm)) if words else _pack_half_base
 
-    def store_block(ref, unit, mb, x, y, row0):
-      _store_block_pairs(ref, unit, mb, x, y, bits_ref[pl.ds(row0 // 2, 64), :, :], asm=asm)
-  else:
-    rule = (lambda x, y: W.block_rule(x, y, asm)) if words else _pack_half_base
-    store_block = functools.partial(_store_block_words, asm=asm) if words else _store_block
+  def store_block(row0, unit, mb, x, y):  # the block at pack row row0
+    if pair_rows:
+      _store_block_pairs(payload_ref, unit, mb, x, y, bits_ref[pl.ds(row0 // 2, 64), :, :], asm=asm)
+    elif words:
+      _store_block_words(payload_ref, unit, mb, x, y, asm=asm)
+    else:
+      _store_block(payload_ref, unit, mb, x, y)
 
   def load_block(row0):
     if pair_rows:
@@ -558,8 +559,8 @@ def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, 
     b0, exists = t * n, t < tiles
     # Per-block scalars throughout (a block's rule is a scalar after its reductions): no lane
     # vector to pick from again, so no extra cross-lane reductions per block.
-    meta = tuple(jnp.where((b0 + k < num_blocks) & exists, B.block_meta_byte(*rule(*xy)), B.META_ABSENT)
-                 for k, xy in enumerate(blocks))
+    meta = tuple(jnp.where((b0 + k < num_blocks) & exists, B.block_meta_byte(*rule(x, y)), B.META_ABSENT)
+                 for k, (x, y) in enumerate(blocks))
 
     @pl.when(exists)
     def _():
@@ -569,10 +570,10 @@ def _persistent_kernel(bits_ref, _ticket_in, payload_ref, meta_ref, offset_ref, 
 
   def store(t, blocks, placed):
     meta, unit = placed
-    for k, xy in enumerate(blocks):  # unrolled: independent stores
+    for k, (x, y) in enumerate(blocks):  # unrolled: independent stores
       if k % B.BLOCKS_PER_GROUP == 0:
         offset_ref[t * tile_groups + k // B.BLOCKS_PER_GROUP] = unit
-      store_block(payload_ref, unit, meta[k], *xy, *([(t * n + k) * LOW_ROWS] if pair_rows else []))
+      store_block((t * n + k) * LOW_ROWS, unit, meta[k], x, y)
       unit = unit + block_units_int(meta[k])
 
   if tile_counter:  # tiles p, then P + (the tile counter's old value), asked for one tile ahead

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import triton as pltr
 
-LOW_SELECT, HIGH_SELECT = 0x6420, 0x7531  # prmt selectors: even bytes (low), odd bytes (high)
+SELECT = {"low": 0x6420, "high": 0x7531}  # prmt selectors: even bytes (low), odd bytes (high)
 
 _CODES_PTX = """{
   .reg .b32 hx, hy, dx, dy, t;
@@ -64,8 +64,8 @@ _EXTREME_PTX = """{
 # Each helper's inline PTX ($0 the result register, then the packed arguments in order);
 # tests/test_compress_words.py runs these strings through a small PTX model on numpy.
 PTX = {
-    "low": f"prmt.b32 $0, $1, $2, {LOW_SELECT:#x};",
-    "high": f"prmt.b32 $0, $1, $2, {HIGH_SELECT:#x};",
+    "low": f"prmt.b32 $0, $1, $2, {SELECT['low']:#x};",
+    "high": f"prmt.b32 $0, $1, $2, {SELECT['high']:#x};",
     "codes": _CODES_PTX,
     "min": _EXTREME_PTX % "min",
     "max": _EXTREME_PTX % "max",
@@ -93,23 +93,23 @@ def _prmt(a, b, select: int):
   return out
 
 
-def _row_bytes(v, select: int, asm: bool):
+def _row_bytes(v, half: str, asm: bool):
+  """uint16 [..., 4] -> uint8 [..., 4]: the patterns' `half` ("low" or "high") bytes."""
   if asm:
     [out] = pltr.elementwise_inline_asm(
-        PTX["low" if select == LOW_SELECT else "high"], args=[v], constraints="=r,r,r", pack=4,
-        result_shape_dtypes=[_like(v, jnp.int8)])
+        PTX[half], args=[v], constraints="=r,r,r", pack=4, result_shape_dtypes=[_like(v, jnp.int8)])
     return out.astype(jnp.uint8)
-  return _word_bytes(_prmt(*_row_words(v), select))
+  return _word_bytes(_prmt(*_row_words(v), SELECT[half]))
 
 
 def low_bytes(v, asm: bool):
   """uint16 [..., 4] patterns -> uint8 [..., 4] their low bytes."""
-  return _row_bytes(v, LOW_SELECT, asm)
+  return _row_bytes(v, "low", asm)
 
 
 def high_bytes(v, asm: bool):
   """uint16 [..., 4] patterns -> uint8 [..., 4] their high bytes (sign, exponent >> 1)."""
-  return _row_bytes(v, HIGH_SELECT, asm)
+  return _row_bytes(v, "high", asm)
 
 
 def replicated_half_base(hb):
@@ -134,8 +134,8 @@ def codes(x, y, hb2, asm: bool):
         PTX["codes"], args=[x, y, base], constraints="=r,r,r,r,r,r,r", pack=4,
         result_shape_dtypes=[_like(x, jnp.int8)])
     return out.astype(jnp.uint8)
-  hx = _prmt(*_row_words(x), HIGH_SELECT)
-  hy = _prmt(*_row_words(y), HIGH_SELECT)
+  hx = _prmt(*_row_words(x), SELECT["high"])
+  hy = _prmt(*_row_words(y), SELECT["high"])
   base = hb2.astype(jnp.uint32) * np.uint32(0x10001)
   seven, signs, sign_y = np.uint32(0x7F7F7F7F), np.uint32(0x80808080), np.uint32(0x08080808)
   dx, dy = (hx & seven) - base, (hy & seven) - base

@@ -36,7 +36,7 @@ def _halves(op, a, b):
 
 
 PTX_OPS = {  # the instructions compress_words' PTX uses, on uint64 numpy words (kept to 32 bits)
-    "prmt.b32": lambda a, b, s: _prmt(a, b, s),
+    "prmt.b32": lambda a, b, s: _prmt(a, b, int(s)),
     "and.b32": lambda a, b: a & b,
     "or.b32": lambda a, b: a | b,
     "sub.u32": lambda a, b: (a - b) & MASK,
@@ -57,10 +57,7 @@ def run_ptx(text: str, *registers: np.ndarray) -> np.ndarray:
     op, args = line.split(None, 1)
     dst, *srcs = [a.strip() for a in args.split(",")]
     vals = [np.uint64(int(s, 0)) if re.fullmatch(r"0x[0-9a-f]+|\d+", s) else env[s] for s in srcs]
-    if op == "prmt.b32":
-      env[dst] = _prmt(vals[0], vals[1], int(vals[2]))
-    else:
-      env[dst] = PTX_OPS[op](*vals)
+    env[dst] = PTX_OPS[op](*vals)
   return env["$0"]
 
 
