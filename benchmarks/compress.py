@@ -106,7 +106,7 @@ def check_exact(x, c_kernel, c_ref, config):
   the used units zeroed, for the unordered or untailed variants); round trip bit-exact. Compares the
   full output on the device: no second compile of the variant at a smaller size."""
   zf.validate(c_kernel)
-  got = c_kernel if config.ordered and config.zero_tail else jax.jit(zf.canonical_order)(c_kernel)
+  got = c_kernel if config.block_order and config.zero_tail else jax.jit(zf.canonical_order)(c_kernel)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(c_ref)):
     assert bool(jnp.array_equal(a, b)), "kernel bytes differ from the reference"  # False on a shape mismatch too
   back = zf.decompress(c_kernel)
@@ -205,6 +205,17 @@ def variant_configs() -> dict[str, CompressConfig]:
                                                                            tile_counter=True),
       "single_pass_unordered_tile1_w1_p4224_pairs_tc_nozero": _persistent_one_warp(32, packed_words=True, pair_rows=True,
                                                                                   tile_counter=True, zero_tail=False),
+      # Bulk copies in and out (`tma`, pallas_kernels/compress_tma.py, Mosaic GPU): tiles of T groups
+      # (4T KiB of BF16), `tma_stages` of them in flight per CTA, C persistent CTAs; shared memory per
+      # CTA = stages * 4T KiB in + 2 * 4T KiB of staging, so
+      # t4_s4 (96 KiB) fits 2 CTAs per SM, t2_s4 (48 KiB) 4, t8_s2 (128 KiB) 1, t4_s2 (64 KiB) 3.
+      "tma_t4_s4_c264": CompressConfig(tma=True, tile_groups=4, tma_stages=4, persistent_programs=264),
+      "tma_t4_s4_c264_nozero": CompressConfig(tma=True, tile_groups=4, tma_stages=4, persistent_programs=264,
+                                              zero_tail=False),
+      "tma_t2_s4_c528": CompressConfig(tma=True, tile_groups=2, tma_stages=4, persistent_programs=528),
+      "tma_t4_s2_c396": CompressConfig(tma=True, tile_groups=4, tma_stages=2, persistent_programs=396),
+      "tma_t8_s2_c132": CompressConfig(tma=True, tile_groups=8, tma_stages=2, persistent_programs=132),
+      "tma_t2_s6_c396": CompressConfig(tma=True, tile_groups=2, tma_stages=6, persistent_programs=396),
   }
 
 

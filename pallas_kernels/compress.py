@@ -66,6 +66,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels import compress_tma
 from pallas_kernels import compress_words as W
 from pallas_kernels._platform import resolve_interpret
 from pallas_kernels.relaxed_atomic import relaxed_atomic_add
@@ -143,6 +144,11 @@ class CompressConfig:
       registers allow) finds the tiles taken and exits, instead of running its whole share after
       the others (a second wave). The index of the tile after next is fetched while this tile is
       placed and stored, so the next tile's loads never wait on it.
+    tma: the Mosaic GPU kernel of `compress_tma` (format version 1, groups unordered): tiles of
+      `tile_groups` groups arrive and leave by bulk copies (the copy engine walks the addresses),
+      threads touch only shared memory; `persistent_programs` CTAs (0: two per SM), `tma_stages`
+      tiles in flight per CTA. The other knobs but `zero_tail` do not apply.
+    tma_stages: `tma` only: input tiles in flight per CTA (1-8).
   """
 
   single_pass: bool = False
@@ -160,6 +166,13 @@ class CompressConfig:
   packed_words: bool = False
   tile_counter: bool = False
   pair_rows: bool = False
+  tma: bool = False
+  tma_stages: int = 4
+
+  @property
+  def block_order(self) -> bool:
+    """Whether groups land in block order (the reference's bytes); else in the order tiles take a counter."""
+    return self.ordered and not self.tma
 
   def __post_init__(self):
     for name in ("plan_blocks", "tile_groups", "look_back_states"):
@@ -185,6 +198,10 @@ class CompressConfig:
       raise ValueError("packed_words is an arithmetic of the persistent kernel (persistent_programs > 0)")
     if self.pair_rows and not self.packed_words:
       raise ValueError("pair_rows is a store layout of the packed-word persistent kernel (packed_words=True)")
+    if self.tma and (self.single_pass or self.packed_words or self.tile_counter):
+      raise ValueError("tma is its own kernel: leave single_pass, packed_words and tile_counter off")
+    if not 1 <= self.tma_stages <= 8:
+      raise ValueError(f"tma_stages={self.tma_stages} must be in [1, 8]")
     if self.tile_counter and (not self.persistent_programs or self.offset_ahead):
       raise ValueError("tile_counter is a schedule of the persistent kernel (persistent_programs > 0, "
                        "without offset_ahead)")
@@ -775,6 +792,16 @@ def _compress_bits(bits2d: jax.Array, *, num_blocks: int, config: CompressConfig
   """bits2d: uint16 [N, 512], N a multiple of 4 * max(plan_blocks, tile_groups); rows >= num_blocks are padding."""
   n = bits2d.shape[0]
   groups = -(-num_blocks // B.BLOCKS_PER_GROUP)
+  if config.tma:
+    if version != 1:
+      raise ValueError(f"tma=True writes format version 1 only (got version={version})")
+    payload, word1, offsets, total = compress_tma.compress_rows(
+        bits2d, num_blocks, tile_groups=config.tile_groups, stages=config.tma_stages,
+        ctas=config.persistent_programs, interpret=interpret)
+    if config.zero_tail:
+      payload = zero_payload_tail(payload.reshape(-1, 4), total, num_warps=config.num_warps, interpret=interpret)
+    group_meta = codec.make_group_meta(offsets, codec.unpack_meta_bytes(word1.astype(jnp.uint32)), version)
+    return payload.reshape(-1)[: num_blocks * B.ROW_BYTES], group_meta[:groups], total[0]
   if config.single_pass:
     payload_rows, meta, offsets, total_units, _, exceptions = _single_pass(bits2d, num_blocks, config, interpret, version)
     group_meta = codec.make_group_meta(offsets, meta.reshape(-1, B.BLOCKS_PER_GROUP), version,
@@ -806,7 +833,7 @@ def _block_rows(x, config: CompressConfig):
 def compress_pallas(x, *, config: CompressConfig | None = None, interpret: bool | None = None,
                     version: int = B.FORMAT_VERSION) -> codec.CompressedBlocks:
   """Pallas encoder with the contract of `codec.compress_reference` (same bytes; with
-  `config.ordered=False` the same groups in another order, with `config.zero_tail=False` the
+  `config.block_order` False (`ordered=False`, `tma`) the same groups in another order, with `config.zero_tail=False` the
   bytes past `payload_units * 256` unspecified).
 
   Args:

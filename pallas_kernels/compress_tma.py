@@ -1,0 +1,393 @@
+"""Streaming compression through the TMA (Mosaic GPU, Hopper): format version 1, groups unordered.
+
+Why a second design: every Triton compressor so far moves about 2.5 TB/s (read + write) on the
+H100 and the H200 alike, although the H200's HBM is 1.4x faster and Triton's own copies reach
+4.19 TB/s there (benchmarks/RESULTS.md): the SM side (addresses, loads and stores one thread
+word at a time) bounds them, not HBM. Here the bytes move as bulk copies, whose addresses the copy
+engine walks, and threads touch only shared memory.
+
+One CTA is one warpgroup, persistent over tiles `cta, cta + C, ...` of `T` groups (4T blocks,
+4 KiB of BF16 each). Per tile:
+
+* the tile's 4T block rows arrive by one bulk copy (`cp.async.bulk`, no descriptor) into a ring of
+  `stages` shared-memory slots, issued `stages` tiles ahead;
+* warp w takes block w of every group (a group's 4 blocks are the 4 warps), a lane the block's
+  fragments k = lane and lane + 32 (positions 8k .. 8k + 7: one 16-byte shared load each). The
+  rule comes from `min.u16x2` / `max.u16x2` over the lane's eight words of `pattern & 0x7fff`
+  and one `redux.sync` min and max per block (b/2 = min >> 8; eligible iff (max >> 8) - b/2 < 8);
+  `prmt` picks four low or high bytes, ten word ops four code bytes (`compress_words`' formulas);
+* warp w's lane 0 puts its slot byte in byte w of the group's word1 (shared memory); after one
+  warpgroup barrier every thread knows every group's size, places its block in the tile's staging
+  buffer (the tile's groups back to back, as they will lie in the payload) and writes its low bytes
+  and codes (a raw block: its high bytes) there;
+* thread 0 takes the tile's offset with one relaxed fetch-and-add on the unit counter, issued
+  before its staging stores so the round trip runs under them, and after a second barrier stores
+  the whole tile with one bulk copy of exactly its units (`cp.async.bulk.global.shared::cta`, the
+  size in a register). Two staging buffers alternate: a tile's store drains under the next tile;
+* warp 0's lanes 0 .. T-1 write the group records (offset, slot bytes).
+
+The per-lane arithmetic is written once against an `ops` object (`LaneOps` here builds MLIR; the
+tests pass numpy ops and run the same functions over every lane). Interpreted (CPU), the tile's
+bytes come from the format's jnp encoder instead (inline MLIR does not interpret), placed by a
+running offset in a grid of one CTA, so the ring, the tile indexing and the partial tiles run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, scf
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.restore_mgpu import MlirOps, _c, _eq, _i32, _scalar, block_starts_word
+from zipfusion_jax.format import block as B
+
+NUM_SMS = 132
+ROW_U16 = 256  # block rows are copied as [2 * blocks, 256] uint16 (a bulk copy's dims stay <= 256)
+BLOCK_BYTES = B.VALUES_PER_BLOCK * 2  # 1 KiB of BF16
+GROUP_UNITS = B.BLOCKS_PER_GROUP * B.RAW_UNITS  # 16: a group's worst case
+SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
+
+LOW, HIGH = 0x6420, 0x7531  # prmt selectors: the even (low) and odd (high) bytes of two words
+MAGNITUDE = 0x7FFF7FFF
+
+PTX = {  # the instructions this kernel spells out ($0 the result, then the operands)
+    "redux_min": "redux.sync.min.u32 $0, $1, 0xffffffff;",
+    "redux_max": "redux.sync.max.u32 $0, $1, 0xffffffff;",
+    "min16": "min.u16x2 $0, $1, $2;",
+    "max16": "max.u16x2 $0, $1, $2;",
+    "atomic_add": "atom.global.relaxed.gpu.add.u32 $0, [$1], $2;",
+    "bulk_store": "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
+    "commit": "cp.async.bulk.commit_group;",
+    "wait_read_1": "cp.async.bulk.wait_group.read 1;",
+    "wait_all": "cp.async.bulk.wait_group 0;",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-lane arithmetic, once for MLIR and numpy.
+
+class LaneOps(MlirOps):
+  """MLIR i32 ops for the functions below (`restore_mgpu.MlirOps` plus what the encoder needs)."""
+
+  or_, xor = staticmethod(arith.ori), staticmethod(arith.xori)
+  minu = staticmethod(arith.minui)
+  maxu = staticmethod(arith.maxui)
+
+  @staticmethod
+  def ult(a, b):
+    return arith.cmpi(arith.CmpIPredicate.ult, a, b)
+
+  @staticmethod
+  def prmt(a, b, select):
+    return mu.prmt(a, b, _c(select))
+
+  @staticmethod
+  def min16(a, b):
+    return mu.inline_ptx(PTX["min16"], a, b, result_types=_i32())
+
+  @staticmethod
+  def max16(a, b):
+    return mu.inline_ptx(PTX["max16"], a, b, result_types=_i32())
+
+
+def lane_extremes(ops, words):
+  """The lane's min and max of `pattern & 0x7fff` over its fragments' words (2 patterns each)."""
+  m = [ops.and_(w, ops.const(MAGNITUDE)) for w in words]
+  lo, hi = functools.reduce(ops.min16, m), functools.reduce(ops.max16, m)
+  half = ops.const(0xFFFF)
+  return (ops.minu(ops.and_(lo, half), ops.shr(lo, ops.const(16))),
+          ops.maxu(ops.and_(hi, half), ops.shr(hi, ops.const(16))))
+
+
+def slot_byte(ops, lowest, highest, present):
+  """A block's word1 byte from its extreme magnitudes: b/2 if eligible, 0xFF raw, 0xFE absent."""
+  hb = ops.shr(lowest, ops.const(8))
+  eligible = ops.ult(ops.sub(ops.shr(highest, ops.const(8)), hb), ops.const(8))
+  return ops.select(present, ops.select(eligible, hb, ops.const(B.META_RAW)), ops.const(B.META_ABSENT))
+
+
+def fragment_planes(ops, w, slot):
+  """A fragment's 4 words (positions 8k .. 8k+7, two per word) -> (low x, low y, high x or code,
+  high y): the two low words at byte 8k, then a compressed block's code word (at 512 + 4k) or a
+  raw block's two high words (at 512 + 8k). `slot`: the block's word1 byte."""
+  lx, ly = ops.prmt(w[0], w[1], LOW), ops.prmt(w[2], w[3], LOW)
+  hx, hy = ops.prmt(w[0], w[1], HIGH), ops.prmt(w[2], w[3], HIGH)
+  base = ops.mul(ops.and_(slot, ops.const(B.MAX_HALF_BASE)), ops.const(0x01010101))
+  seven = ops.const(0x7F7F7F7F)
+  dx, dy = ops.sub(ops.and_(hx, seven), base), ops.sub(ops.and_(hy, seven), base)
+  code = ops.or_(ops.or_(ops.and_(hx, ops.const(0x80808080)), ops.shl(dy, ops.const(4))),
+                 ops.or_(ops.and_(ops.shr(hy, ops.const(4)), ops.const(0x08080808)), dx))
+  raw = ops.eq(slot, ops.const(B.META_RAW))
+  return lx, ly, ops.select(raw, hx, code), hy
+
+
+def group_units(ops, word1):
+  """Units a group's 4 slot bytes take: 3 per compressed block, 4 per raw one, 0 per absent one."""
+  def flags(w):  # 0x80 in every byte that is 0xFF (bytes are <= 0x7F, 0xFE or 0xFF)
+    return ops.and_(ops.and_(ops.add(ops.and_(w, ops.const(0x7F7F7F7F)), ops.const(0x01010101)), w),
+                    ops.const(0x80808080))
+
+  def count(f):
+    return ops.shr(ops.mul(ops.shr(f, ops.const(7)), ops.const(0x01010101)), ops.const(24))
+
+  raw, absent = count(flags(word1)), count(flags(ops.xor(word1, ops.const(0x01010101))))
+  return ops.add(ops.mul(ops.sub(ops.const(4), absent), ops.const(3)), raw)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tile, as inline Mosaic GPU code (GPU only).
+
+def _ptx(name, *args, result=True, convergent=False):
+  return mu.inline_ptx(PTX[name], *args, result_types=_i32() if result else None,
+                       has_side_effects=not result, convergent=convergent)
+
+
+def _when(cond, fn):
+  """Run `fn` (side effects only) under `cond` (an i1)."""
+  op = scf.IfOp(cond)
+  with ir.InsertionPoint(op.then_block):
+    fn()
+    scf.yield_([])
+
+
+def _if_else(cond, then_fn, else_fn):
+  """The i32 that `then_fn` or `else_fn` returns, by `cond`."""
+  op = scf.IfOp(cond, [_i32()], has_else=True)
+  with ir.InsertionPoint(op.then_block):
+    scf.yield_([then_fn()])
+  with ir.InsertionPoint(op.else_block):
+    scf.yield_([else_fn()])
+  return op.results[0]
+
+
+def _load_u32(ptr, offset):
+  return llvm.load(_i32(), mu.getelementptr(ptr, [offset], ir.IntegerType.get_signless(8)))
+
+
+def _store(ptr, offset, value):
+  llvm.store(value, mu.getelementptr(ptr, [offset], ir.IntegerType.get_signless(8)))
+
+
+def _vec(*words):
+  ty = ir.VectorType.get((len(words),), _i32())
+  vec = llvm.mlir_undef(ty)
+  for i, w in enumerate(words):
+    vec = llvm.insertelement(vec, w, _c(i))
+  return vec
+
+
+def compress_tile(in_ref, staging_ref, word1_smem, payload_ref, word1_out, offset_out, counter_ref, tile, parity, *,
+                  tile_groups, num_blocks):
+  """Compress tile `tile` (its rows in `in_ref`, uint16 [8T, 256]) into `staging_ref[parity]`,
+  take its offset, store it with one bulk copy, and write its group records.
+
+  Args:
+    in_ref: SMEM uint16 [8T, 256] (4T blocks of 512); staging_ref: SMEM uint8 [2, 16T, 256];
+    word1_smem: SMEM int32 [>= T]; payload_ref: GMEM uint8 [U, 256]; word1_out, offset_out: GMEM
+    int32 [tiles * T]; counter_ref: GMEM int32 [1] (units in use); tile, parity: i32 splats.
+  """
+  T = tile_groups
+  ops = LaneOps
+  tile, parity = _scalar(tile), _scalar(parity)
+  tid = arith.remui(mu.thread_idx(), _c(128))
+  warp, lane = arith.shrui(tid, _c(5)), arith.andi(tid, _c(31))
+  in_ptr, w1_ptr = mu.memref_ptr(in_ref), mu.memref_ptr(word1_smem)
+  first_block = arith.muli(tile, _c(4 * T))
+  # 1. The rule of block w of every group, from this lane's two fragments.
+  blocks = []
+  for g in range(T):
+    row = arith.addi(_c(4 * g), warp)
+    words = []
+    for c in range(2):
+      at = arith.addi(arith.muli(row, _c(BLOCK_BYTES)), arith.shli(arith.addi(lane, _c(32 * c)), _c(4)))
+      vec = llvm.load(ir.VectorType.get((4,), _i32()), mu.getelementptr(in_ptr, [at], ir.IntegerType.get_signless(8)))
+      words.append([llvm.extractelement(vec, _c(i)) for i in range(4)])
+    lowest, highest = lane_extremes(ops, words[0] + words[1])
+    lowest = _ptx("redux_min", lowest, convergent=True)
+    highest = _ptx("redux_max", highest, convergent=True)
+    present = arith.cmpi(arith.CmpIPredicate.ult, arith.addi(first_block, row), _c(num_blocks))
+    slot = slot_byte(ops, lowest, highest, present)
+    blocks.append((words, slot, present))
+
+    _when(_eq(lane, _c(0)), functools.partial(
+        _store, w1_ptr, arith.addi(_c(4 * g), warp), arith.trunci(ir.IntegerType.get_signless(8), slot)))
+  leader = _eq(tid, _c(0))
+  # The bulk store of tile i - 2 read this staging buffer: it must be done reading.
+  _when(leader, lambda: _ptx("wait_read_1", result=False))
+  mu.warpgroup_barrier()
+  # 2. Every group's size, the tile's offset, this thread's stores into staging.
+  word1 = [_load_u32(w1_ptr, _c(4 * g)) for g in range(T)]
+  units = [group_units(ops, w) for w in word1]
+  prefix = [_c(0)]
+  for u in units:
+    prefix.append(arith.addi(prefix[-1], u))
+  total = prefix[-1]
+  base = _if_else(leader, lambda: _ptx("atomic_add", mu.memref_ptr(counter_ref), total), lambda: _c(0))
+  staging = mu.getelementptr(mu.memref_ptr(staging_ref), [arith.muli(parity, _c(GROUP_UNITS * T * B.UNIT_BYTES))],
+                             ir.IntegerType.get_signless(8))
+  shift = arith.shli(warp, _c(3))
+  for g, (words, slot, present) in enumerate(blocks):
+    start = arith.addi(prefix[g], arith.andi(arith.shrui(block_starts_word(ops, word1[g]), shift), _c(0xFF)))
+    dst = arith.muli(start, _c(B.UNIT_BYTES))
+
+    def put(words=words, slot=slot, dst=dst):
+      raw = _eq(slot, _c(B.META_RAW))
+      for c in range(2):
+        k = arith.addi(lane, _c(32 * c))
+        lx, ly, hx_or_code, hy = fragment_planes(ops, words[c], slot)
+        _store(staging, arith.addi(dst, arith.shli(k, _c(3))), _vec(lx, ly))
+        high = arith.addi(dst, _c(B.LOW_PLANE_BYTES))
+        _when(raw, functools.partial(_store, staging, arith.addi(high, arith.shli(k, _c(3))), _vec(hx_or_code, hy)))
+        _when(arith.xori(raw, _c(1, ir.IntegerType.get_signless(1))),
+              functools.partial(_store, staging, arith.addi(high, arith.shli(k, _c(2))), hx_or_code))
+
+    _when(present, put)
+  mu.commit_shared()  # the staging stores reach the async proxy; warpgroup barrier
+  # 3. One bulk store of the tile's units; the group records.
+  payload = mu.memref_ptr(payload_ref)
+
+  def store_tile():
+    dst = mu.getelementptr(payload, [arith.extui(ir.IntegerType.get_signless(64), arith.muli(base, _c(B.UNIT_BYTES)))],
+                           ir.IntegerType.get_signless(8))
+    _ptx("bulk_store", dst, staging, arith.muli(total, _c(B.UNIT_BYTES)), result=False)
+    _ptx("commit", result=False)
+
+  _when(arith.andi(leader, arith.cmpi(arith.CmpIPredicate.ugt, total, _c(0))), store_tile)
+  group_base = mu._warp_bcast(base)  # lane 0 of warp 0 holds it; warp 0 uses it
+
+  def records():
+    mine_word1, mine_prefix = word1[0], prefix[0]
+    for g in range(1, T):
+      is_g = _eq(lane, _c(g))
+      mine_word1, mine_prefix = arith.select(is_g, word1[g], mine_word1), arith.select(is_g, prefix[g], mine_prefix)
+    index = arith.extui(ir.IntegerType.get_signless(64), arith.addi(arith.muli(tile, _c(T)), lane))
+    llvm.store(arith.addi(group_base, mine_prefix), mu.getelementptr(mu.memref_ptr(offset_out), [index], _i32()))
+    llvm.store(mine_word1, mu.getelementptr(mu.memref_ptr(word1_out), [index], _i32()))
+
+  _when(arith.andi(_eq(warp, _c(0)), arith.cmpi(arith.CmpIPredicate.ult, lane, _c(T))), records)
+
+
+def drain_stores():
+  """Thread 0 waits for its bulk stores to finish (the CTA's shared memory must outlive them)."""
+  _when(_eq(arith.remui(mu.thread_idx(), _c(128)), _c(0)), lambda: _ptx("wait_all", result=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpreted tile (CPU): the same placement, the bytes from the format's jnp encoder.
+
+def _tile_interpret(in_ref, payload_ref, word1_out, offset_out, counter_ref, tile, *, tile_groups, num_blocks):
+  """What `compress_tile` does to GMEM, in jnp: tiles run in order (one CTA), so the counter is a
+  plain read-modify-write, and the tile's units are stored as a fixed 16T-unit window whose slack
+  the next tile (or the tail zeroing) overwrites."""
+  T = tile_groups
+  bits = in_ref[...].reshape(4 * T, B.VALUES_PER_BLOCK)
+  index = tile * 4 * T + jnp.arange(4 * T)
+  eligible, hb = B.block_half_base(bits)
+  meta = jnp.where(index < num_blocks, B.block_meta_byte(eligible, hb), B.META_ABSENT)
+  rows = B.encode_rows(bits, meta).reshape(4 * T * B.RAW_UNITS, B.UNIT_BYTES)
+  sizes = B.block_units(meta)
+  ends = jnp.cumsum(sizes)
+  unit = jnp.arange(GROUP_UNITS * T)
+  owner = jnp.minimum(jnp.sum(unit[:, None] >= ends[None, :], axis=1), 4 * T - 1)  # the block holding each unit
+  within = jnp.clip(unit - (ends - sizes)[owner], 0, B.RAW_UNITS - 1)
+  base = counter_ref[0]
+  payload_ref[pl.ds(base, GROUP_UNITS * T)] = rows[owner * B.RAW_UNITS + within]
+  counter_ref[0] = base + ends[-1]
+  group_meta = meta.reshape(T, B.BLOCKS_PER_GROUP)
+  word1 = sum(group_meta[:, j] << (8 * j) for j in range(B.BLOCKS_PER_GROUP))
+  word1_out[pl.ds(tile * T, T)] = word1.astype(jnp.int32)
+  group_ends = ends.reshape(T, B.BLOCKS_PER_GROUP)[:, -1]
+  offset_out[pl.ds(tile * T, T)] = base + group_ends - sizes.reshape(T, -1).sum(axis=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel.
+
+def _kernel(bits_ref, counter_ref, payload_ref, word1_out, offset_out, in_smem, staging, word1_smem, bars, *,
+            tiles, ctas, tile_groups, stages, num_blocks, interpret):
+  """bits_ref: GMEM uint16 [tiles * 8T, 256] (block rows); counter_ref: GMEM int32 [1], zeros in, units
+  in use out (a mutable ref); payload_ref: GMEM uint8 [tiles * 16T, 256]; word1_out, offset_out:
+  GMEM int32 [tiles * T]. Scratch: in_smem uint16 [stages, 8T, 256], staging uint8 [2, 16T, 256],
+  word1_smem int32 [4], bars: `stages` barriers."""
+  rows = 8 * tile_groups
+  cta = lax.axis_index("c")
+  my_tiles = (tiles - cta + ctas - 1) // ctas
+
+  def load(i):
+    plgpu.copy_gmem_to_smem(bits_ref.at[pl.ds((cta + i * ctas) * rows, rows)], in_smem.at[lax.rem(i, stages)],
+                            bars.at[lax.rem(i, stages)])
+
+  for i in range(stages):
+    pl.when(i < my_tiles)(functools.partial(load, i))
+
+  splat = plgpu.Layout.WG_SPLAT(shape=())
+
+  def body(i, carry):
+    stage = lax.rem(i, stages)
+    plgpu.barrier_wait(bars.at[stage])
+    tile = cta + i * ctas
+    if interpret:
+      _tile_interpret(in_smem.at[stage], payload_ref, word1_out, offset_out, counter_ref, tile,
+                      tile_groups=tile_groups, num_blocks=num_blocks)
+    else:
+      ref = plgpu.RefType()
+      plgpu.inline_mgpu(arg_types=(ref,) * 7 + (splat, splat))(
+          lambda ctx, *args: compress_tile(*args, tile_groups=tile_groups, num_blocks=num_blocks))(
+              in_smem.at[stage], staging, word1_smem, payload_ref, word1_out, offset_out, counter_ref, tile,
+              lax.rem(i, 2))
+    pl.when(i + stages < my_tiles)(functools.partial(load, i + stages))  # every thread is past the stage's reads
+    return carry
+
+  lax.fori_loop(0, my_tiles, body, 0)
+  if not interpret:
+    plgpu.inline_mgpu()(lambda ctx: drain_stores())()
+
+
+def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int = 4, ctas: int = 0,
+                  interpret: bool = False):
+  """bits2d uint16 [N, 512] (N a multiple of 4 * tile_groups; rows >= num_blocks are padding) ->
+  (payload uint8 [N // 4 * 16, 256], word1 int32 [N // 4], group offsets int32 [N // 4], units in use int32 [1]).
+
+  Groups lie in the payload in the order their tiles took the counter (any order is valid,
+  FORMAT.md §6); bytes past the units in use are unspecified. ctas: persistent CTAs (0: two per
+  SM); interpreted, always one, so tiles run in order.
+  """
+  T = tile_groups
+  groups = bits2d.shape[0] // B.BLOCKS_PER_GROUP
+  if groups % T:
+    raise ValueError(f"{bits2d.shape[0]} block rows are not whole tiles of {T} groups")
+  tiles = groups // T
+  smem = (stages + 2) * T * B.BLOCKS_PER_GROUP * BLOCK_BYTES
+  if smem > SMEM_BYTES:
+    raise ValueError(f"tile_groups={T} with stages={stages} needs {smem} bytes of shared memory per CTA "
+                     f"(> {SMEM_BYTES}): fewer groups per tile or fewer stages")
+  ctas = 1 if interpret else min(ctas or 2 * NUM_SMS, tiles)
+  rows = 8 * T
+  counter = jax.new_ref(jnp.zeros((1,), jnp.int32))
+  payload, word1, offsets = plgpu.kernel(
+      functools.partial(_kernel, tiles=tiles, ctas=ctas, tile_groups=T, stages=stages, num_blocks=num_blocks,
+                        interpret=interpret),
+      out_type=(
+          jax.ShapeDtypeStruct((groups * GROUP_UNITS, B.UNIT_BYTES), jnp.uint8),
+          jax.ShapeDtypeStruct((groups,), jnp.int32),
+          jax.ShapeDtypeStruct((groups,), jnp.int32),
+      ),
+      scratch_types=(
+          plgpu.SMEM((stages, rows, ROW_U16), jnp.uint16),
+          plgpu.SMEM((2, GROUP_UNITS * T, B.UNIT_BYTES), jnp.uint8),
+          plgpu.SMEM((4,), jnp.int32),
+          plgpu.Barrier(num_barriers=stages),
+      ),
+      grid=(ctas,),
+      grid_names=("c",),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      interpret=plgpu.InterpretGPUParams() if interpret else False,
+  )(bits2d.reshape(-1, ROW_U16), counter)
+  return payload, word1, offsets, counter[...]

@@ -1,0 +1,163 @@
+"""The TMA compressor (`pallas_kernels/compress_tma.py`).
+
+Its per-lane arithmetic is written once against an `ops` object: here it runs on numpy words over
+every lane of a warp (the `redux.sync` reductions as numpy min / max over the lanes), against the
+format's reference planes. The kernel itself runs interpreted (its tile bytes from the jnp encoder,
+the ring, tiles, partial tiles and placement as on the GPU) and lowers for an abstract H200 with
+every PTX instruction it spells out.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax._src.mesh import AbstractDevice
+from jax.sharding import AbstractMesh, AxisType
+
+import zipfusion_jax as zf
+from pallas_kernels import compress_tma as CT
+from pallas_kernels.compress import CompressConfig, compress_pallas
+from zipfusion_jax.format import block as B
+from zipfusion_jax.format import codec
+
+MASK = np.uint64(0xFFFFFFFF)
+
+
+def _halves(op, a, b):
+  return op(a & 0xFFFF, b & 0xFFFF) | (op(a >> 16, b >> 16) << 16)
+
+
+def _prmt(a, b, select):
+  both = [(a >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)] + \
+         [(b >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)]
+  return sum(both[(select >> (4 * i)) & 7] << np.uint64(8 * i) for i in range(4))
+
+
+class NumpyOps:
+  """The ops of `compress_tma.LaneOps` on uint64 numpy arrays holding 32-bit words (bools for i1)."""
+
+  const = staticmethod(lambda v: np.uint64(v))
+  and_ = staticmethod(lambda a, b: a & b)
+  or_ = staticmethod(lambda a, b: a | b)
+  xor = staticmethod(lambda a, b: a ^ b)
+  shl = staticmethod(lambda a, b: (a << b) & MASK)
+  shr = staticmethod(lambda a, b: a >> b)
+  add = staticmethod(lambda a, b: (a + b) & MASK)
+  sub = staticmethod(lambda a, b: (a - b) & MASK)
+  mul = staticmethod(lambda a, b: (a * b) & MASK)
+  minu, maxu = staticmethod(np.minimum), staticmethod(np.maximum)
+  eq = staticmethod(lambda a, b: a == b)
+  ult = staticmethod(lambda a, b: a < b)
+  select = staticmethod(np.where)
+  prmt = staticmethod(_prmt)
+  min16 = staticmethod(lambda a, b: _halves(np.minimum, a, b))
+  max16 = staticmethod(lambda a, b: _halves(np.maximum, a, b))
+
+
+def _blocks(n=96, seed=0):
+  """bf16 blocks: eligible ones at every b/2 in reach, raw ones (one outlier), and the special patterns."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((n, B.VALUES_PER_BLOCK)).astype(np.float32) * np.exp2(rng.integers(-100, 100, (n, 1)))
+  x[1::7, 5] *= 2.0**40  # outliers: raw
+  x[2] = 0.0
+  x[3, ::2] = -0.0
+  x[4, 9] = np.inf
+  x[5, 3] = np.nan
+  x[6] = np.float32(1e-40)  # subnormals
+  x[7] = np.float32(3e38)
+  return x.astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def _lane_words(bits):
+  """uint16 [512] -> [32 lanes, 2 fragments, 4 words]: fragment k = 32c + lane holds positions 8k .. 8k+7."""
+  w = bits.astype(np.uint64).reshape(2, 32, 4, 2)
+  return np.transpose(w[..., 0] | (w[..., 1] << np.uint64(16)), (1, 0, 2))
+
+
+def test_lane_rule_and_planes_equal_the_reference_rows():
+  bits = _blocks()
+  eligible, hb = B.block_half_base(jnp.asarray(bits))
+  want_meta = np.asarray(B.block_meta_byte(eligible, hb))
+  want_rows = np.asarray(B.encode_rows(jnp.asarray(bits), jnp.asarray(want_meta))).view(np.uint32)
+  assert 0 < want_meta.tolist().count(B.META_RAW) < len(bits) - 10
+  for i, block in enumerate(bits):
+    words = _lane_words(block)
+    lo, hi = CT.lane_extremes(NumpyOps, [words[:, c, j] for c in range(2) for j in range(4)])
+    slot = CT.slot_byte(NumpyOps, lo.min(), hi.max(), True)  # redux.sync min / max over the warp
+    assert int(slot) == want_meta[i], i
+    for c in range(2):
+      k = 32 * c + np.arange(32)
+      lx, ly, high, hy = CT.fragment_planes(NumpyOps, [words[:, c, j] for j in range(4)], slot)
+      np.testing.assert_array_equal(lx, want_rows[i, 2 * k])
+      np.testing.assert_array_equal(ly, want_rows[i, 2 * k + 1])
+      if slot == B.META_RAW:
+        np.testing.assert_array_equal(high, want_rows[i, 128 + 2 * k])
+        np.testing.assert_array_equal(hy, want_rows[i, 128 + 2 * k + 1])
+      else:
+        np.testing.assert_array_equal(high, want_rows[i, 128 + k])
+  assert int(CT.slot_byte(NumpyOps, np.uint64(0), np.uint64(0), False)) == B.META_ABSENT
+
+
+def test_group_units_count_every_slot_kind():
+  rng = np.random.default_rng(3)
+  slots = rng.choice([0, 1, 0x3F, 0x7F, B.META_RAW, B.META_ABSENT], size=(500, 4))
+  word1 = sum(slots[:, j].astype(np.uint64) << np.uint64(8 * j) for j in range(4))
+  want = np.asarray(B.block_units(jnp.asarray(slots))).sum(axis=1)
+  np.testing.assert_array_equal(CT.group_units(NumpyOps, word1), want)
+
+
+def test_a_wrong_selector_is_caught():
+  """The checks above can fail: swapping the low and high selectors breaks the planes."""
+  words = _lane_words(_blocks(8)[0])
+  lx = CT.fragment_planes(NumpyOps, [words[:, 0, j] for j in range(4)], np.uint64(60))[0]
+  assert not np.array_equal(lx, _prmt(words[:, 0, 0], words[:, 0, 1], CT.HIGH))
+
+
+@pytest.mark.parametrize("n,tile_groups,stages,zero_tail", [(53, 4, 2, True), (64, 2, 3, False), (37, 1, 1, True),
+                                                            (130, 8, 2, True)])
+def test_interpreted_kernel_is_a_valid_stream_of_the_reference_groups(n, tile_groups, stages, zero_tail):
+  x = _blocks(n, seed=n).view(ml_dtypes.bfloat16)
+  cfg = CompressConfig(tma=True, tile_groups=tile_groups, tma_stages=stages, zero_tail=zero_tail)
+  got, want = compress_pallas(x, config=cfg, interpret=True), zf.compress(x)
+  zf.validate(got)
+  canonical = codec.canonical_order(got)
+  assert int(got.payload_units) == int(want.payload_units)
+  np.testing.assert_array_equal(np.asarray(canonical.group_meta), np.asarray(want.group_meta))
+  used = int(want.payload_units) * B.UNIT_BYTES
+  np.testing.assert_array_equal(np.asarray(canonical.payload)[:used], np.asarray(want.payload)[:used])
+  if zero_tail:
+    np.testing.assert_array_equal(np.asarray(canonical.payload), np.asarray(want.payload))
+  np.testing.assert_array_equal(np.asarray(zf.decompress(got)).view(np.uint16), x.view(np.uint16))
+
+
+def test_config_checks():
+  assert not CompressConfig(tma=True).block_order and CompressConfig().block_order
+  with pytest.raises(ValueError, match="tma"):
+    CompressConfig(tma=True, single_pass=True, ordered=False)
+  with pytest.raises(ValueError, match="tma_stages"):
+    CompressConfig(tma=True, tma_stages=9)
+  with pytest.raises(ValueError, match="shared memory"):
+    CT.compress_rows(jnp.zeros((64, 512), jnp.uint16), 64, tile_groups=16, stages=4)
+  with pytest.raises(ValueError, match="version 1"):
+    compress_pallas(_blocks(8).view(ml_dtypes.bfloat16), config=CompressConfig(tma=True), interpret=True, version=2)
+
+
+def test_lowers_for_an_abstract_h200_with_its_ptx():
+  h200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                      abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+
+  def f(x):
+    c = compress_pallas(x, config=CompressConfig(tma=True, tile_groups=4, zero_tail=False),
+                        interpret=False)
+    return c.payload, c.group_meta, c.payload_units
+
+  with jax.sharding.use_abstract_mesh(h200):
+    text = jax.jit(f).trace(jax.ShapeDtypeStruct((1000, 512), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+  for ptx in CT.PTX.values():
+    assert ptx.split()[0] in text, ptx
