@@ -257,9 +257,9 @@ def compress_tile(in_ref, staging_ref, word1_smem, payload_ref, word1_out, offse
     dst = mu.getelementptr(payload, [arith.extui(ir.IntegerType.get_signless(64), arith.muli(base, _c(B.UNIT_BYTES)))],
                            ir.IntegerType.get_signless(8))
     _ptx("bulk_store", dst, staging, arith.muli(total, _c(B.UNIT_BYTES)), result=False)
-    _ptx("commit", result=False)
 
   _when(arith.andi(leader, arith.cmpi(arith.CmpIPredicate.ugt, total, _c(0))), store_tile)
+  _when(leader, lambda: _ptx("commit", result=False))  # a group per tile (empty for a tile of padding)
   group_base = mu._warp_bcast(base)  # lane 0 of warp 0 holds it; warp 0 uses it
 
   def records():
@@ -315,7 +315,7 @@ def _kernel(bits_ref, counter_ref, payload_ref, word1_out, offset_out, in_smem, 
   """bits_ref: GMEM uint16 [tiles * 8T, 256] (block rows); counter_ref: GMEM int32 [1], zeros in, units
   in use out (a mutable ref); payload_ref: GMEM uint8 [tiles * 16T, 256]; word1_out, offset_out:
   GMEM int32 [tiles * T]. Scratch: in_smem uint16 [stages, 8T, 256], staging uint8 [2, 16T, 256],
-  word1_smem int32 [4], bars: `stages` barriers."""
+  word1_smem int32 [max(T, 4)], bars: `stages` barriers."""
   rows = 8 * tile_groups
   cta = lax.axis_index("c")
   my_tiles = (tiles - cta + ctas - 1) // ctas
@@ -361,6 +361,8 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
   """
   T = tile_groups
   groups = bits2d.shape[0] // B.BLOCKS_PER_GROUP
+  if not 1 <= T <= 32:
+    raise ValueError(f"tile_groups={T} must be in [1, 32] (warp 0's lanes write the group records)")
   if groups % T:
     raise ValueError(f"{bits2d.shape[0]} block rows are not whole tiles of {T} groups")
   tiles = groups // T
@@ -382,7 +384,7 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
       scratch_types=(
           plgpu.SMEM((stages, rows, ROW_U16), jnp.uint16),
           plgpu.SMEM((2, GROUP_UNITS * T, B.UNIT_BYTES), jnp.uint8),
-          plgpu.SMEM((4,), jnp.int32),
+          plgpu.SMEM((max(T, 4),), jnp.int32),
           plgpu.Barrier(num_barriers=stages),
       ),
       grid=(ctas,),

@@ -19,6 +19,7 @@ import pytest
 from jax._src.mesh import AbstractDevice
 from jax.sharding import AbstractMesh, AxisType
 
+import bf16_patterns
 import zipfusion_jax as zf
 from pallas_kernels import compress_tma as CT
 from pallas_kernels.compress import CompressConfig, compress_pallas
@@ -74,33 +75,45 @@ def _blocks(n=96, seed=0):
 
 
 def _lane_words(bits):
-  """uint16 [512] -> [32 lanes, 2 fragments, 4 words]: fragment k = 32c + lane holds positions 8k .. 8k+7."""
-  w = bits.astype(np.uint64).reshape(2, 32, 4, 2)
-  return np.transpose(w[..., 0] | (w[..., 1] << np.uint64(16)), (1, 0, 2))
+  """uint16 [n, 512] -> [n, 32 lanes, 2 fragments, 4 words]: fragment k = 32c + lane holds positions 8k .. 8k+7."""
+  w = bits.astype(np.uint64).reshape(-1, 2, 32, 4, 2)
+  return np.transpose(w[..., 0] | (w[..., 1] << np.uint64(16)), (0, 2, 1, 3))
 
 
-def test_lane_rule_and_planes_equal_the_reference_rows():
-  bits = _blocks()
-  eligible, hb = B.block_half_base(jnp.asarray(bits))
-  want_meta = np.asarray(B.block_meta_byte(eligible, hb))
+def check_lanes(bits):
+  """Run the lane functions over every lane of every block (`redux.sync` = min / max over the lanes)
+  and compare the slot bytes with the independent numpy rule and the planes with the reference rows."""
+  eligible, hb = bf16_patterns.numpy_block_rule(bits)
+  want_meta = np.where(eligible, hb, B.META_RAW)
   want_rows = np.asarray(B.encode_rows(jnp.asarray(bits), jnp.asarray(want_meta))).view(np.uint32)
-  assert 0 < want_meta.tolist().count(B.META_RAW) < len(bits) - 10
-  for i, block in enumerate(bits):
-    words = _lane_words(block)
-    lo, hi = CT.lane_extremes(NumpyOps, [words[:, c, j] for c in range(2) for j in range(4)])
-    slot = CT.slot_byte(NumpyOps, lo.min(), hi.max(), True)  # redux.sync min / max over the warp
-    assert int(slot) == want_meta[i], i
-    for c in range(2):
-      k = 32 * c + np.arange(32)
-      lx, ly, high, hy = CT.fragment_planes(NumpyOps, [words[:, c, j] for j in range(4)], slot)
-      np.testing.assert_array_equal(lx, want_rows[i, 2 * k])
-      np.testing.assert_array_equal(ly, want_rows[i, 2 * k + 1])
-      if slot == B.META_RAW:
-        np.testing.assert_array_equal(high, want_rows[i, 128 + 2 * k])
-        np.testing.assert_array_equal(hy, want_rows[i, 128 + 2 * k + 1])
-      else:
-        np.testing.assert_array_equal(high, want_rows[i, 128 + k])
+  words = _lane_words(bits)
+  lo, hi = CT.lane_extremes(NumpyOps, [words[:, :, c, j] for c in range(2) for j in range(4)])
+  slot = CT.slot_byte(NumpyOps, lo.min(axis=1), hi.max(axis=1), True)
+  np.testing.assert_array_equal(slot, want_meta)
+  raw = slot == B.META_RAW
+  for c in range(2):
+    k = 32 * c + np.arange(32)
+    lx, ly, high, hy = CT.fragment_planes(NumpyOps, [words[:, :, c, j] for j in range(4)], slot[:, None])
+    np.testing.assert_array_equal(lx, want_rows[:, 2 * k])
+    np.testing.assert_array_equal(ly, want_rows[:, 2 * k + 1])
+    np.testing.assert_array_equal(high[raw], want_rows[raw][:, 128 + 2 * k])
+    np.testing.assert_array_equal(hy[raw], want_rows[raw][:, 128 + 2 * k + 1])
+    np.testing.assert_array_equal(high[~raw], want_rows[~raw][:, 128 + k])
+  return raw
+
+
+def test_lane_rule_and_planes_equal_the_reference_rows(eligible_rotations, raw_rotations):
+  """Every 16th block of the exhaustive pattern sets, and scaled normals with special values (the
+  whole sets, ~5 s, below)."""
+  raw = check_lanes(np.concatenate([eligible_rotations[::16], raw_rotations[::16], _blocks()]))
+  assert 0 < raw.sum() < len(raw) - 1000
   assert int(CT.slot_byte(NumpyOps, np.uint64(0), np.uint64(0), False)) == B.META_ABSENT
+
+
+def test_lanes_on_every_pattern_in_every_position(eligible_rotations, raw_rotations):
+  for bits in (eligible_rotations, raw_rotations):
+    for chunk in np.split(bits, 8):
+      check_lanes(chunk)
 
 
 def test_group_units_count_every_slot_kind():
@@ -111,11 +124,16 @@ def test_group_units_count_every_slot_kind():
   np.testing.assert_array_equal(CT.group_units(NumpyOps, word1), want)
 
 
-def test_a_wrong_selector_is_caught():
-  """The checks above can fail: swapping the low and high selectors breaks the planes."""
-  words = _lane_words(_blocks(8)[0])
-  lx = CT.fragment_planes(NumpyOps, [words[:, 0, j] for j in range(4)], np.uint64(60))[0]
-  assert not np.array_equal(lx, _prmt(words[:, 0, 0], words[:, 0, 1], CT.HIGH))
+def test_the_lane_check_can_fail(monkeypatch):
+  """Swapping the low and high selectors, or an off-by-one rule, fails `check_lanes`."""
+  bits = _blocks(16)
+  monkeypatch.setattr(CT, "LOW", CT.HIGH)
+  with pytest.raises(AssertionError):
+    check_lanes(bits)
+  monkeypatch.undo()
+  monkeypatch.setattr(CT, "slot_byte", lambda ops, lo, hi, present: ops.shr(lo, ops.const(8)))  # never raw
+  with pytest.raises(AssertionError):
+    check_lanes(bits)
 
 
 @pytest.mark.parametrize("n,tile_groups,stages,zero_tail", [(53, 4, 2, True), (64, 2, 3, False), (37, 1, 1, True),
