@@ -272,7 +272,7 @@ def main():
     total_us, kernels = cupti_us(f, x)
     kernel_us, _ = cupti_us(f, x, skip=("broadcast", "memset", "fill"))
     rows.append({
-        "variant": name, "ordered": cfg.ordered, "zero_tail": cfg.zero_tail, "time_us": kernel_us, "time_us_with_zero_fill": total_us,
+        "variant": name, "ordered": cfg.block_order, "zero_tail": cfg.zero_tail, "time_us": kernel_us, "time_us_with_zero_fill": total_us,
         "wall_us": wall_us(f, x), "input_tbps": input_bytes / kernel_us / 1e6,
         "kernels_per_call": len(kernels), "kernel_times": kernels,
     })

@@ -187,7 +187,7 @@ class CompressConfig:
       raise ValueError(f"max_probes={self.max_probes} must be >= 0 (0: unbounded)")
     if self.persistent_programs < 0:
       raise ValueError(f"persistent_programs={self.persistent_programs} must be >= 1 (or 0: off)")
-    if self.persistent_programs and (not self.single_pass or self.ordered):
+    if self.persistent_programs and not self.tma and (not self.single_pass or self.ordered):
       raise ValueError("persistent_programs > 0 is a variant of the unordered single pass "
                        "(single_pass=True, ordered=False)")
     if self.offset_ahead and not self.persistent_programs:

@@ -389,6 +389,7 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
       ),
       grid=(ctas,),
       grid_names=("c",),
+      kernel_name="zipfusion_compress_tma",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
   )(bits2d.reshape(-1, ROW_U16), counter)
