@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.restore_mgpu import MlirOps, _c, _eq, _i32, _scalar, block_starts_word
+from pallas_kernels.restore_mgpu import MlirOps, _c, _eq, _i32, _scalar, block_starts_word, raw_byte_flags
 from zipfusion_jax.format import block as B
 
 NUM_SMS = 132
@@ -130,14 +130,13 @@ def fragment_planes(ops, w, slot):
 
 def group_units(ops, word1):
   """Units a group's 4 slot bytes take: 3 per compressed block, 4 per raw one, 0 per absent one."""
-  def flags(w):  # 0x80 in every byte that is 0xFF (bytes are <= 0x7F, 0xFE or 0xFF)
-    return ops.and_(ops.and_(ops.add(ops.and_(w, ops.const(0x7F7F7F7F)), ops.const(0x01010101)), w),
-                    ops.const(0x80808080))
-
-  def count(f):
+  def count(f):  # flagged bytes (0x80 each) summed into the top byte
     return ops.shr(ops.mul(ops.shr(f, ops.const(7)), ops.const(0x01010101)), ops.const(24))
 
-  raw, absent = count(flags(word1)), count(flags(ops.xor(word1, ops.const(0x01010101))))
+  # Absent bytes (0xFE) are the raw ones (0xFF) of word1 ^ 0x01010101, which maps 0xFF to 0xFE and
+  # keeps every compressed byte <= 0x7F.
+  raw = count(raw_byte_flags(ops, word1))
+  absent = count(raw_byte_flags(ops, ops.xor(word1, ops.const(0x01010101))))
   return ops.add(ops.mul(ops.sub(ops.const(4), absent), ops.const(3)), raw)
 
 

@@ -242,8 +242,14 @@ def block_starts_word(ops, word1):
   Multiplying the per-byte raw flags by 0x01010100 sums each byte's predecessors (<= 3: no carry).
   """
   c = ops.const
-  raw = ops.and_(ops.and_(ops.add(ops.and_(word1, c(0x7F7F7F7F)), c(0x01010101)), word1), c(0x80808080))
-  return ops.add(ops.mul(ops.shr(raw, c(7)), c(0x01010100)), c(0x09060300))
+  return ops.add(ops.mul(ops.shr(raw_byte_flags(ops, word1), c(7)), c(0x01010100)), c(0x09060300))
+
+
+def raw_byte_flags(ops, word):
+  """0x80 in every byte of `word` that is 0xFF, else 0, for bytes <= 0x7F, 0xFE or 0xFF (SWAR, 4 ops;
+  see `block_starts_word`)."""
+  c = ops.const
+  return ops.and_(ops.and_(ops.add(ops.and_(word, c(0x7F7F7F7F)), c(0x01010101)), word), c(0x80808080))
 
 
 def _byte(word, shift):

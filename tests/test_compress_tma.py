@@ -20,41 +20,28 @@ from jax._src.mesh import AbstractDevice
 from jax.sharding import AbstractMesh, AxisType
 
 import bf16_patterns
+import test_format_v2
 import zipfusion_jax as zf
 from pallas_kernels import compress_tma as CT
 from pallas_kernels.compress import CompressConfig, compress_pallas
 from zipfusion_jax.format import block as B
 from zipfusion_jax.format import codec
 
-MASK = np.uint64(0xFFFFFFFF)
-
-
 def _halves(op, a, b):
   return op(a & 0xFFFF, b & 0xFFFF) | (op(a >> 16, b >> 16) << 16)
 
 
 def _prmt(a, b, select):
-  both = [(a >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)] + \
-         [(b >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)]
-  return sum(both[(select >> (4 * i)) & 7] << np.uint64(8 * i) for i in range(4))
+  both = [(a >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)] + \
+         [(b >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)]
+  return sum(both[(select >> (4 * i)) & 7] << np.uint32(8 * i) for i in range(4))
 
 
-class NumpyOps:
-  """The ops of `compress_tma.LaneOps` on uint64 numpy arrays holding 32-bit words (bools for i1)."""
+class NumpyOps(test_format_v2.NumpyOps):
+  """The ops of `compress_tma.LaneOps` on numpy uint32 / bool arrays (the restore tests' ops and more)."""
 
-  const = staticmethod(lambda v: np.uint64(v))
-  and_ = staticmethod(lambda a, b: a & b)
-  or_ = staticmethod(lambda a, b: a | b)
-  xor = staticmethod(lambda a, b: a ^ b)
-  shl = staticmethod(lambda a, b: (a << b) & MASK)
-  shr = staticmethod(lambda a, b: a >> b)
-  add = staticmethod(lambda a, b: (a + b) & MASK)
-  sub = staticmethod(lambda a, b: (a - b) & MASK)
-  mul = staticmethod(lambda a, b: (a * b) & MASK)
-  minu, maxu = staticmethod(np.minimum), staticmethod(np.maximum)
-  eq = staticmethod(lambda a, b: a == b)
-  ult = staticmethod(lambda a, b: a < b)
-  select = staticmethod(np.where)
+  or_, xor, minu, maxu = np.bitwise_or, np.bitwise_xor, np.minimum, np.maximum
+  ult = np.less
   prmt = staticmethod(_prmt)
   min16 = staticmethod(lambda a, b: _halves(np.minimum, a, b))
   max16 = staticmethod(lambda a, b: _halves(np.maximum, a, b))
@@ -76,8 +63,8 @@ def _blocks(n=96, seed=0):
 
 def _lane_words(bits):
   """uint16 [n, 512] -> [n, 32 lanes, 2 fragments, 4 words]: fragment k = 32c + lane holds positions 8k .. 8k+7."""
-  w = bits.astype(np.uint64).reshape(-1, 2, 32, 4, 2)
-  return np.transpose(w[..., 0] | (w[..., 1] << np.uint64(16)), (0, 2, 1, 3))
+  w = bits.astype(np.uint32).reshape(-1, 2, 32, 4, 2)
+  return np.transpose(w[..., 0] | (w[..., 1] << np.uint32(16)), (0, 2, 1, 3))
 
 
 def check_lanes(bits):
@@ -107,7 +94,7 @@ def test_lane_rule_and_planes_equal_the_reference_rows(eligible_rotations, raw_r
   whole sets, ~5 s, below)."""
   raw = check_lanes(np.concatenate([eligible_rotations[::16], raw_rotations[::16], _blocks()]))
   assert 0 < raw.sum() < len(raw) - 1000
-  assert int(CT.slot_byte(NumpyOps, np.uint64(0), np.uint64(0), False)) == B.META_ABSENT
+  assert int(CT.slot_byte(NumpyOps, np.uint32(0), np.uint32(0), False)) == B.META_ABSENT
 
 
 def test_lanes_on_every_pattern_in_every_position(eligible_rotations, raw_rotations):
@@ -119,7 +106,7 @@ def test_lanes_on_every_pattern_in_every_position(eligible_rotations, raw_rotati
 def test_group_units_count_every_slot_kind():
   rng = np.random.default_rng(3)
   slots = rng.choice([0, 1, 0x3F, 0x7F, B.META_RAW, B.META_ABSENT], size=(500, 4))
-  word1 = sum(slots[:, j].astype(np.uint64) << np.uint64(8 * j) for j in range(4))
+  word1 = sum(slots[:, j].astype(np.uint32) << np.uint32(8 * j) for j in range(4))
   want = np.asarray(B.block_units(jnp.asarray(slots))).sum(axis=1)
   np.testing.assert_array_equal(CT.group_units(NumpyOps, word1), want)
 
