@@ -261,9 +261,14 @@ def main():
   ap.add_argument("--diagnose", action="store_true", help="single-pass look-back bookkeeping, bounded probes")
   ap.add_argument("--small", action="store_true", help="only the small-input correctness check of the variants")
   args = ap.parse_args()
+  variants = variant_configs()
+  if args.variants:
+    unknown = set(args.variants.split(",")) - set(variants)
+    if unknown:
+      raise SystemExit(f"unknown variants {sorted(unknown)}; known: {sorted(variants)}")
+    variants = {k: variants[k] for k in args.variants.split(",")}  # in the order given
   if args.small:
-    names = args.variants.split(",") if args.variants else list(variant_configs())
-    rows = small_inputs_check({k: variant_configs()[k] for k in names}, args.version)
+    rows = small_inputs_check(variants, args.version)
     if args.out:
       pathlib.Path(args.out).write_text(json.dumps(
           {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": str(datetime.date.today()),
@@ -272,12 +277,6 @@ def main():
   n = int(args.gib * 2**30) // 1024 // 64 * 64
   x = synthetic_blocks(jax.random.key(0), n)
   input_bytes = n * 1024
-  variants = variant_configs()
-  if args.variants:
-    unknown = set(args.variants.split(",")) - set(variants)
-    if unknown:
-      raise SystemExit(f"unknown variants {sorted(unknown)}; known: {sorted(variants)}")
-    variants = {k: variants[k] for k in args.variants.split(",")}  # in the order given
   if args.diagnose:
     return diagnose(x, {k: v for k, v in variants.items() if v.single_pass and v.ordered},
                     args.out or "benchmarks/results/compress_diagnose_h200.json")

@@ -45,8 +45,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.restore_mgpu import MlirOps, _c, _eq, _i32, _scalar, block_starts_word, raw_byte_flags
+from pallas_kernels import compress_words as W
+from pallas_kernels.restore_mgpu import (MlirOps, _branch, _c, _eq, _gep, _i32, _load32, _scalar, block_starts_word,
+                                         raw_byte_flags)
 from zipfusion_jax.format import block as B
+from zipfusion_jax.format import codec
 
 NUM_SMS = 132
 ROW_U16 = 256  # block rows are copied as [2 * blocks, 256] uint16 (a bulk copy's dims stay <= 256)
@@ -54,7 +57,6 @@ BLOCK_BYTES = B.VALUES_PER_BLOCK * 2  # 1 KiB of BF16
 GROUP_UNITS = B.BLOCKS_PER_GROUP * B.RAW_UNITS  # 16: a group's worst case
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
-LOW, HIGH = 0x6420, 0x7531  # prmt selectors: the even (low) and odd (high) bytes of two words
 MAGNITUDE = 0x7FFF7FFF
 
 PTX = {  # the instructions this kernel spells out ($0 the result, then the operands)
@@ -117,13 +119,10 @@ def fragment_planes(ops, w, slot):
   """A fragment's 4 words (positions 8k .. 8k+7, two per word) -> (low x, low y, high x or code,
   high y): the two low words at byte 8k, then a compressed block's code word (at 512 + 4k) or a
   raw block's two high words (at 512 + 8k). `slot`: the block's word1 byte."""
-  lx, ly = ops.prmt(w[0], w[1], LOW), ops.prmt(w[2], w[3], LOW)
-  hx, hy = ops.prmt(w[0], w[1], HIGH), ops.prmt(w[2], w[3], HIGH)
-  base = ops.mul(ops.and_(slot, ops.const(B.MAX_HALF_BASE)), ops.const(0x01010101))
-  seven = ops.const(0x7F7F7F7F)
-  dx, dy = ops.sub(ops.and_(hx, seven), base), ops.sub(ops.and_(hy, seven), base)
-  code = ops.or_(ops.or_(ops.and_(hx, ops.const(0x80808080)), ops.shl(dy, ops.const(4))),
-                 ops.or_(ops.and_(ops.shr(hy, ops.const(4)), ops.const(0x08080808)), dx))
+  low, high = W.SELECT["low"], W.SELECT["high"]
+  lx, ly = ops.prmt(w[0], w[1], low), ops.prmt(w[2], w[3], low)
+  hx, hy = ops.prmt(w[0], w[1], high), ops.prmt(w[2], w[3], high)
+  code = W.code_word(ops, hx, hy, ops.mul(ops.and_(slot, ops.const(B.MAX_HALF_BASE)), ops.const(0x01010101)))
   raw = ops.eq(slot, ops.const(B.META_RAW))
   return lx, ly, ops.select(raw, hx, code), hy
 
@@ -156,22 +155,9 @@ def _when(cond, fn):
     scf.yield_([])
 
 
-def _if_else(cond, then_fn, else_fn):
-  """The i32 that `then_fn` or `else_fn` returns, by `cond`."""
-  op = scf.IfOp(cond, [_i32()], has_else=True)
-  with ir.InsertionPoint(op.then_block):
-    scf.yield_([then_fn()])
-  with ir.InsertionPoint(op.else_block):
-    scf.yield_([else_fn()])
-  return op.results[0]
-
-
-def _load_u32(ptr, offset):
-  return llvm.load(_i32(), mu.getelementptr(ptr, [offset], ir.IntegerType.get_signless(8)))
-
-
 def _store(ptr, offset, value):
-  llvm.store(value, mu.getelementptr(ptr, [offset], ir.IntegerType.get_signless(8)))
+  """Store `value` (any type) at byte `offset` of `ptr`."""
+  llvm.store(value, _gep(ptr, offset))
 
 
 def _vec(*words):
@@ -206,7 +192,7 @@ def compress_tile(in_ref, staging_ref, word1_smem, payload_ref, word1_out, offse
     words = []
     for c in range(2):
       at = arith.addi(arith.muli(row, _c(BLOCK_BYTES)), arith.shli(arith.addi(lane, _c(32 * c)), _c(4)))
-      vec = llvm.load(ir.VectorType.get((4,), _i32()), mu.getelementptr(in_ptr, [at], ir.IntegerType.get_signless(8)))
+      vec = llvm.load(ir.VectorType.get((4,), _i32()), _gep(in_ptr, at))
       words.append([llvm.extractelement(vec, _c(i)) for i in range(4)])
     lowest, highest = lane_extremes(ops, words[0] + words[1])
     lowest = _ptx("redux_min", lowest, convergent=True)
@@ -222,15 +208,14 @@ def compress_tile(in_ref, staging_ref, word1_smem, payload_ref, word1_out, offse
   _when(leader, lambda: _ptx("wait_read_1", result=False))
   mu.warpgroup_barrier()
   # 2. Every group's size, the tile's offset, this thread's stores into staging.
-  word1 = [_load_u32(w1_ptr, _c(4 * g)) for g in range(T)]
+  word1 = [_load32(w1_ptr, _c(4 * g)) for g in range(T)]
   units = [group_units(ops, w) for w in word1]
   prefix = [_c(0)]
   for u in units:
     prefix.append(arith.addi(prefix[-1], u))
   total = prefix[-1]
-  base = _if_else(leader, lambda: _ptx("atomic_add", mu.memref_ptr(counter_ref), total), lambda: _c(0))
-  staging = mu.getelementptr(mu.memref_ptr(staging_ref), [arith.muli(parity, _c(GROUP_UNITS * T * B.UNIT_BYTES))],
-                             ir.IntegerType.get_signless(8))
+  (base,) = _branch(leader, 1, lambda: [_ptx("atomic_add", mu.memref_ptr(counter_ref), total)], lambda: [_c(0)])
+  staging = _gep(mu.memref_ptr(staging_ref), arith.muli(parity, _c(GROUP_UNITS * T * B.UNIT_BYTES)))
   shift = arith.shli(warp, _c(3))
   for g, (words, slot, present) in enumerate(blocks):
     start = arith.addi(prefix[g], arith.andi(arith.shrui(block_starts_word(ops, word1[g]), shift), _c(0xFF)))
@@ -253,8 +238,7 @@ def compress_tile(in_ref, staging_ref, word1_smem, payload_ref, word1_out, offse
   payload = mu.memref_ptr(payload_ref)
 
   def store_tile():
-    dst = mu.getelementptr(payload, [arith.extui(ir.IntegerType.get_signless(64), arith.muli(base, _c(B.UNIT_BYTES)))],
-                           ir.IntegerType.get_signless(8))
+    dst = _gep(payload, arith.extui(ir.IntegerType.get_signless(64), arith.muli(base, _c(B.UNIT_BYTES))))
     _ptx("bulk_store", dst, staging, arith.muli(total, _c(B.UNIT_BYTES)), result=False)
 
   _when(arith.andi(leader, arith.cmpi(arith.CmpIPredicate.ugt, total, _c(0))), store_tile)
@@ -300,8 +284,7 @@ def _tile_interpret(in_ref, payload_ref, word1_out, offset_out, counter_ref, til
   payload_ref[pl.ds(base, GROUP_UNITS * T)] = rows[owner * B.RAW_UNITS + within]
   counter_ref[0] = base + ends[-1]
   group_meta = meta.reshape(T, B.BLOCKS_PER_GROUP)
-  word1 = sum(group_meta[:, j] << (8 * j) for j in range(B.BLOCKS_PER_GROUP))
-  word1_out[pl.ds(tile * T, T)] = word1.astype(jnp.int32)
+  word1_out[pl.ds(tile * T, T)] = codec.pack_meta_bytes(group_meta).astype(jnp.int32)
   group_ends = ends.reshape(T, B.BLOCKS_PER_GROUP)[:, -1]
   offset_out[pl.ds(tile * T, T)] = base + group_ends - sizes.reshape(T, -1).sum(axis=1)
 

@@ -136,10 +136,23 @@ def codes(x, y, hb2, asm: bool):
     return out.astype(jnp.uint8)
   hx = _prmt(*_row_words(x), SELECT["high"])
   hy = _prmt(*_row_words(y), SELECT["high"])
-  base = hb2.astype(jnp.uint32) * np.uint32(0x10001)
-  seven, signs, sign_y = np.uint32(0x7F7F7F7F), np.uint32(0x80808080), np.uint32(0x08080808)
-  dx, dy = (hx & seven) - base, (hy & seven) - base
-  return _word_bytes((hx & signs) | (dy << 4) | ((hy >> 4) & sign_y) | dx)
+  return _word_bytes(code_word(JnpOps, hx, hy, hb2.astype(jnp.uint32) * np.uint32(0x10001)))
+
+
+class JnpOps:
+  """`code_word`'s integer ops on uint32 jnp arrays."""
+
+  and_, or_, shl, shr, sub = jnp.bitwise_and, jnp.bitwise_or, jnp.left_shift, jnp.right_shift, jnp.subtract
+  const = staticmethod(np.uint32)
+
+
+def code_word(ops, hx, hy, base):
+  """Four code bytes from the high bytes of positions 8k..8k+3 (`hx`) and 8k+4..8k+7 (`hy`), `base`
+  = b/2 in every byte; written against `ops` (jnp here, MLIR in `compress_tma`)."""
+  seven = ops.const(0x7F7F7F7F)
+  dx, dy = ops.sub(ops.and_(hx, seven), base), ops.sub(ops.and_(hy, seven), base)
+  return ops.or_(ops.or_(ops.and_(hx, ops.const(0x80808080)), ops.shl(dy, ops.const(4))),
+                 ops.or_(ops.and_(ops.shr(hy, ops.const(4)), ops.const(0x08080808)), dx))
 
 
 def magnitude_extremes(x, y, asm: bool):

@@ -21,28 +21,20 @@ from jax.sharding import AbstractMesh, AxisType
 
 import bf16_patterns
 import test_format_v2
+from test_compress_words import _halves, _prmt
 import zipfusion_jax as zf
 from pallas_kernels import compress_tma as CT
+from pallas_kernels import compress_words as W
 from pallas_kernels.compress import CompressConfig, compress_pallas
 from zipfusion_jax.format import block as B
 from zipfusion_jax.format import codec
-
-def _halves(op, a, b):
-  return op(a & 0xFFFF, b & 0xFFFF) | (op(a >> 16, b >> 16) << 16)
-
-
-def _prmt(a, b, select):
-  both = [(a >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)] + \
-         [(b >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)]
-  return sum(both[(select >> (4 * i)) & 7] << np.uint32(8 * i) for i in range(4))
-
 
 class NumpyOps(test_format_v2.NumpyOps):
   """The ops of `compress_tma.LaneOps` on numpy uint32 / bool arrays (the restore tests' ops and more)."""
 
   or_, xor, minu, maxu = np.bitwise_or, np.bitwise_xor, np.minimum, np.maximum
   ult = np.less
-  prmt = staticmethod(_prmt)
+  prmt = staticmethod(lambda a, b, select: _prmt(a, b, select))
   min16 = staticmethod(lambda a, b: _halves(np.minimum, a, b))
   max16 = staticmethod(lambda a, b: _halves(np.maximum, a, b))
 
@@ -114,7 +106,7 @@ def test_group_units_count_every_slot_kind():
 def test_the_lane_check_can_fail(monkeypatch):
   """Swapping the low and high selectors, or an off-by-one rule, fails `check_lanes`."""
   bits = _blocks(16)
-  monkeypatch.setattr(CT, "LOW", CT.HIGH)
+  monkeypatch.setitem(W.SELECT, "low", W.SELECT["high"])
   with pytest.raises(AssertionError):
     check_lanes(bits)
   monkeypatch.undo()
