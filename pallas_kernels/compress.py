@@ -42,7 +42,10 @@ SM's room).
 `tma=True` (version 1, unordered): the Mosaic GPU kernel of `compress_tma`, whose tiles arrive by
 TMA and leave as one bulk copy of exactly their units (size in a register), with the fetch-and-add,
 `redux.sync` and the packed-word arithmetic as inline PTX: 651 us per GiB on the H100 (2.93 TB/s
-r+w, 98% of the copy rate; 737 us with the tail zeroed, 1.13x the best Triton kernel), 2026-12-07.
+r+w, 98% of the copy rate; 737 us with the tail zeroed by a second kernel, 1.13x the best Triton
+kernel), 2026-12-07. It now zeroes the tail itself (each tile reserves its slack at the payload's
+end with the same fetch-and-add and bulk-stores zeros there), so with the tail it moves the bytes
+of one copy: read 1 GiB, write 1 GiB.
 
 Backend: Pallas Triton for the ordered kernels and version 2 (their placement needs scalar address
 arithmetic and strided/masked stores, which the Triton lowering expresses directly), Mosaic GPU
@@ -153,7 +156,8 @@ class CompressConfig:
     tma: the Mosaic GPU kernel of `compress_tma` (format version 1, groups unordered): tiles of
       `tile_groups` groups arrive and leave by bulk copies (the copy engine walks the addresses),
       threads touch only shared memory; `persistent_programs` CTAs (0: two per SM), `tma_stages`
-      tiles in flight per CTA. The other knobs but `zero_tail` do not apply.
+      tiles in flight per CTA; `zero_tail` zeroes the unused tail inside the same kernel. The
+      other knobs do not apply.
     tma_stages: `tma` only: input tiles in flight per CTA (1-8).
   """
 
@@ -803,9 +807,7 @@ def _compress_bits(bits2d: jax.Array, *, num_blocks: int, config: CompressConfig
       raise ValueError(f"tma=True writes format version 1 only (got version={version})")
     payload, word1, offsets, total = compress_tma.compress_rows(
         bits2d, num_blocks, tile_groups=config.tile_groups, stages=config.tma_stages,
-        ctas=config.persistent_programs, interpret=interpret)
-    if config.zero_tail:
-      payload = zero_payload_tail(payload.reshape(-1, 4), total, num_warps=config.num_warps, interpret=interpret)
+        ctas=config.persistent_programs, zero_tail=config.zero_tail, interpret=interpret)
     group_meta = codec.make_group_meta(offsets, codec.unpack_meta_bytes(word1.astype(jnp.uint32)), version)
     return payload.reshape(-1)[: num_blocks * B.ROW_BYTES], group_meta[:groups], total[0]
   if config.single_pass:

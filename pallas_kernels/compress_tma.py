@@ -24,6 +24,11 @@ One CTA is one warpgroup, persistent over tiles `cta, cta + C, ...` of `T` group
   before its staging stores so the round trip runs under them, and after a second barrier stores
   the whole tile with one bulk copy of exactly its units (`cp.async.bulk.global.shared::cta`, the
   size in a register). Two staging buffers alternate: a tile's store drains under the next tile;
+* with `zero_tail`, the same fetch-and-add (64 bits: the low word counts units in use from the
+  payload's start, the high word units zeroed from its end) also reserves the tile's slack (16T
+  units less its own) at the payload's end, and thread 0 bulk-stores zeros there from a zeroed
+  shared buffer. The slacks sum to the payload less the units in use, so the zeros cover exactly
+  the unused tail (FORMAT.md §6, "rest zero") with no second kernel and no grid-wide wait;
 * warp 0's lanes 0 .. T-1 write the group records (offset, slot bytes).
 
 The per-lane arithmetic is written once against an `ops` object (`LaneOps` here builds MLIR; the
@@ -55,6 +60,7 @@ NUM_SMS = 132
 ROW_U16 = 256  # block rows are copied as [2 * blocks, 256] uint16 (a bulk copy's dims stay <= 256)
 BLOCK_BYTES = B.VALUES_PER_BLOCK * 2  # 1 KiB of BF16
 GROUP_UNITS = B.BLOCKS_PER_GROUP * B.RAW_UNITS  # 16: a group's worst case
+ZERO_CHUNKS = 4  # a tile's slack (<= 16T units) is zeroed in at most 4 bulk stores of <= 4T units
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
 MAGNITUDE = 0x7FFF7FFF
@@ -64,7 +70,7 @@ PTX = {  # the instructions this kernel spells out ($0 the result, then the oper
     "redux_max": "redux.sync.max.u32 $0, $1, 0xffffffff;",
     "min16": "min.u16x2 $0, $1, $2;",
     "max16": "max.u16x2 $0, $1, $2;",
-    "atomic_add": "atom.global.relaxed.gpu.add.u32 $0, [$1], $2;",
+    "atomic_add": "atom.global.relaxed.gpu.add.u64 $0, [$1], $2;",
     "bulk_store": "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
     "commit": "cp.async.bulk.commit_group;",
     "wait_read_1": "cp.async.bulk.wait_group.read 1;",
@@ -168,15 +174,17 @@ def _vec(*words):
   return vec
 
 
-def compress_tile(in_ref, staging_ref, word1_smem, payload_ref, word1_out, offset_out, counter_ref, tile, parity, *,
-                  tile_groups, num_blocks):
+def compress_tile(in_ref, staging_ref, word1_smem, zeros_smem, payload_ref, word1_out, offset_out, counter_ref, tile,
+                  parity, *, tile_groups, num_blocks, zero_tail):
   """Compress tile `tile` (its rows in `in_ref`, uint16 [8T, 256]) into `staging_ref[parity]`,
-  take its offset, store it with one bulk copy, and write its group records.
+  take its offset, store it with one bulk copy (and, with `zero_tail`, zeros over its slack at the
+  payload's end), and write its group records.
 
   Args:
     in_ref: SMEM uint16 [8T, 256] (4T blocks of 512); staging_ref: SMEM uint8 [2, 16T, 256];
-    word1_smem: SMEM int32 [>= T]; payload_ref: GMEM uint8 [U, 256]; word1_out, offset_out: GMEM
-    int32 [tiles * T]; counter_ref: GMEM int32 [1] (units in use); tile, parity: i32 splats.
+    word1_smem: SMEM int32 [>= T]; zeros_smem: SMEM uint8 [4T, 256] of zeros; payload_ref: GMEM
+    uint8 [U, 256]; word1_out, offset_out: GMEM int32 [tiles * T]; counter_ref: GMEM int32 [2]
+    (units in use, units zeroed; one 8-byte word); tile, parity: i32 splats.
   """
   T = tile_groups
   ops = LaneOps
@@ -214,7 +222,15 @@ def compress_tile(in_ref, staging_ref, word1_smem, payload_ref, word1_out, offse
   for u in units:
     prefix.append(arith.addi(prefix[-1], u))
   total = prefix[-1]
-  (base,) = _branch(leader, 1, lambda: [_ptx("atomic_add", mu.memref_ptr(counter_ref), total)], lambda: [_c(0)])
+  slack = arith.subi(_c(GROUP_UNITS * T), total) if zero_tail else _c(0)
+  i64 = ir.IntegerType.get_signless(64)
+
+  def reserve():  # one 64-bit fetch-and-add: units in use += total, units zeroed += slack
+    add = arith.ori(arith.shli(arith.extui(i64, slack), mu.c(32, i64)), arith.extui(i64, total))
+    old = mu.inline_ptx(PTX["atomic_add"], mu.memref_ptr(counter_ref), add, result_types=i64, has_side_effects=True)
+    return [arith.trunci(_i32(), old), arith.trunci(_i32(), arith.shrui(old, mu.c(32, i64)))]
+
+  base, zeroed = _branch(leader, 2, reserve, lambda: [_c(0), _c(0)])
   staging = _gep(mu.memref_ptr(staging_ref), arith.muli(parity, _c(GROUP_UNITS * T * B.UNIT_BYTES)))
   shift = arith.shli(warp, _c(3))
   for g, (words, slot, present) in enumerate(blocks):
@@ -242,6 +258,18 @@ def compress_tile(in_ref, staging_ref, word1_smem, payload_ref, word1_out, offse
     _ptx("bulk_store", dst, staging, arith.muli(total, _c(B.UNIT_BYTES)), result=False)
 
   _when(arith.andi(leader, arith.cmpi(arith.CmpIPredicate.ugt, total, _c(0))), store_tile)
+  if zero_tail:
+    chunk = 4 * T  # units per zero store (the zeros buffer)
+    start = arith.subi(_c(ir.MemRefType(payload_ref.type).shape[0]), arith.addi(zeroed, slack))  # the slack's first unit
+
+    def store_zeros(k):
+      size = arith.minsi(arith.subi(slack, _c(k * chunk)), _c(chunk))
+      dst = _gep(payload, arith.extui(i64, arith.muli(arith.addi(start, _c(k * chunk)), _c(B.UNIT_BYTES))))
+      _when(arith.cmpi(arith.CmpIPredicate.sgt, size, _c(0)), lambda: _ptx(
+          "bulk_store", dst, mu.memref_ptr(zeros_smem), arith.muli(size, _c(B.UNIT_BYTES)), result=False))
+
+    for k in range(ZERO_CHUNKS):
+      _when(leader, functools.partial(store_zeros, k))
   _when(leader, lambda: _ptx("commit", result=False))  # a group per tile (empty for a tile of padding)
   group_base = mu._warp_bcast(base)  # lane 0 of warp 0 holds it; warp 0 uses it
 
@@ -257,6 +285,19 @@ def compress_tile(in_ref, staging_ref, word1_smem, payload_ref, word1_out, offse
   _when(arith.andi(_eq(warp, _c(0)), arith.cmpi(arith.CmpIPredicate.ult, lane, _c(T))), records)
 
 
+def fill_zeros(zeros_smem):
+  """Every thread zeroes its 16-byte words of `zeros_smem` (uint8 [rows, 256]), then the buffer is
+  made visible to the bulk copies (fence + warpgroup barrier)."""
+  size = ir.MemRefType(zeros_smem.type).shape[0] * B.UNIT_BYTES
+  tid = arith.remui(mu.thread_idx(), _c(128))
+  zero = _vec(*[_c(0)] * 4)
+  for k in range(-(-size // (128 * 16))):
+    at = arith.addi(arith.shli(tid, _c(4)), _c(k * 128 * 16))
+    _when(arith.cmpi(arith.CmpIPredicate.ult, at, _c(size)),
+          functools.partial(_store, mu.memref_ptr(zeros_smem), at, zero))
+  mu.commit_shared()
+
+
 def drain_stores():
   """Thread 0 waits for its bulk stores to finish (the CTA's shared memory must outlive them)."""
   _when(_eq(arith.remui(mu.thread_idx(), _c(128)), _c(0)), lambda: _ptx("wait_all", result=False))
@@ -265,10 +306,13 @@ def drain_stores():
 # ---------------------------------------------------------------------------------------------
 # Interpreted tile (CPU): the same placement, the bytes from the format's jnp encoder.
 
-def _tile_interpret(in_ref, payload_ref, word1_out, offset_out, counter_ref, tile, *, tile_groups, num_blocks):
-  """What `compress_tile` does to GMEM, in jnp: tiles run in order (one CTA), so the counter is a
+def _tile_interpret(in_ref, payload_ref, word1_out, offset_out, counter_ref, tile, *, tile_groups, num_blocks,
+                    zero_tail):
+  """What `compress_tile` does to GMEM, in jnp: tiles run in order (one CTA), so the counters are a
   plain read-modify-write, and the tile's units are stored as a fixed 16T-unit window whose slack
-  the next tile (or the tail zeroing) overwrites."""
+  the next tile (or the tail zeros) overwrites. That window never reaches zeros already stored: a
+  tile's window ends at most where the earlier tiles' zeros begin (what they used and zeroed sums
+  to 16T per tile)."""
   T = tile_groups
   bits = in_ref[...].reshape(4 * T, B.VALUES_PER_BLOCK)
   index = tile * 4 * T + jnp.arange(4 * T)
@@ -283,6 +327,15 @@ def _tile_interpret(in_ref, payload_ref, word1_out, offset_out, counter_ref, til
   base = counter_ref[0]
   payload_ref[pl.ds(base, GROUP_UNITS * T)] = rows[owner * B.RAW_UNITS + within]
   counter_ref[0] = base + ends[-1]
+  if zero_tail:  # zeros over [capacity - zeroed - slack, capacity - zeroed), as a masked 16T-unit window
+    capacity, window = payload_ref.shape[0], GROUP_UNITS * T
+    zeroed = counter_ref[1] + window - ends[-1]
+    first = capacity - zeroed
+    start = jnp.minimum(first, capacity - window)
+    unit = start + jnp.arange(window)
+    payload_ref[pl.ds(start, window)] = jnp.where((unit >= first)[:, None], jnp.uint8(0),
+                                                  payload_ref[pl.ds(start, window)])
+    counter_ref[1] = zeroed
   group_meta = meta.reshape(T, B.BLOCKS_PER_GROUP)
   word1_out[pl.ds(tile * T, T)] = codec.pack_meta_bytes(group_meta).astype(jnp.int32)
   group_ends = ends.reshape(T, B.BLOCKS_PER_GROUP)[:, -1]
@@ -292,12 +345,13 @@ def _tile_interpret(in_ref, payload_ref, word1_out, offset_out, counter_ref, til
 # ---------------------------------------------------------------------------------------------
 # The kernel.
 
-def _kernel(bits_ref, counter_ref, payload_ref, word1_out, offset_out, in_smem, staging, word1_smem, bars, *,
-            tiles, ctas, tile_groups, stages, num_blocks, interpret):
-  """bits_ref: GMEM uint16 [tiles * 8T, 256] (block rows); counter_ref: GMEM int32 [1], zeros in, units
-  in use out (a mutable ref); payload_ref: GMEM uint8 [tiles * 16T, 256]; word1_out, offset_out:
-  GMEM int32 [tiles * T]. Scratch: in_smem uint16 [stages, 8T, 256], staging uint8 [2, 16T, 256],
-  word1_smem int32 [max(T, 4)], bars: `stages` barriers."""
+def _kernel(bits_ref, counter_ref, payload_ref, word1_out, offset_out, in_smem, staging, word1_smem, zeros_smem,
+            bars, *, tiles, ctas, tile_groups, stages, num_blocks, zero_tail, interpret):
+  """bits_ref: GMEM uint16 [tiles * 8T, 256] (block rows); counter_ref: GMEM int32 [2], zeros in,
+  (units in use, units zeroed) out (a mutable ref); payload_ref: GMEM uint8 [tiles * 16T, 256];
+  word1_out, offset_out: GMEM int32 [tiles * T]. Scratch: in_smem uint16 [stages, 8T, 256], staging
+  uint8 [2, 16T, 256], word1_smem int32 [max(T, 4)], zeros_smem uint8 [4T, 256], bars: `stages`
+  barriers."""
   rows = 8 * tile_groups
   cta = lax.axis_index("c")
   my_tiles = (tiles - cta + ctas - 1) // ctas
@@ -310,6 +364,9 @@ def _kernel(bits_ref, counter_ref, payload_ref, word1_out, offset_out, in_smem, 
     pl.when(i < my_tiles)(functools.partial(load, i))
 
   splat = plgpu.Layout.WG_SPLAT(shape=())
+  ref = plgpu.RefType()
+  if zero_tail and not interpret:
+    plgpu.inline_mgpu(arg_types=(ref,))(lambda ctx, zeros: fill_zeros(zeros))(zeros_smem)
 
   def body(i, carry):
     stage = lax.rem(i, stages)
@@ -317,13 +374,13 @@ def _kernel(bits_ref, counter_ref, payload_ref, word1_out, offset_out, in_smem, 
     tile = cta + i * ctas
     if interpret:
       _tile_interpret(in_smem.at[stage], payload_ref, word1_out, offset_out, counter_ref, tile,
-                      tile_groups=tile_groups, num_blocks=num_blocks)
+                      tile_groups=tile_groups, num_blocks=num_blocks, zero_tail=zero_tail)
     else:
-      ref = plgpu.RefType()
-      plgpu.inline_mgpu(arg_types=(ref,) * 7 + (splat, splat))(
-          lambda ctx, *args: compress_tile(*args, tile_groups=tile_groups, num_blocks=num_blocks))(
-              in_smem.at[stage], staging, word1_smem, payload_ref, word1_out, offset_out, counter_ref, tile,
-              lax.rem(i, 2))
+      plgpu.inline_mgpu(arg_types=(ref,) * 8 + (splat, splat))(
+          lambda ctx, *args: compress_tile(*args, tile_groups=tile_groups, num_blocks=num_blocks,
+                                           zero_tail=zero_tail))(
+              in_smem.at[stage], staging, word1_smem, zeros_smem, payload_ref, word1_out, offset_out, counter_ref,
+              tile, lax.rem(i, 2))
     pl.when(i + stages < my_tiles)(functools.partial(load, i + stages))  # every thread is past the stage's reads
     return carry
 
@@ -333,13 +390,13 @@ def _kernel(bits_ref, counter_ref, payload_ref, word1_out, offset_out, in_smem, 
 
 
 def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int = 4, ctas: int = 0,
-                  interpret: bool = False):
+                  zero_tail: bool = True, interpret: bool = False):
   """bits2d uint16 [N, 512] (N a multiple of 4 * tile_groups; rows >= num_blocks are padding) ->
   (payload uint8 [N // 4 * 16, 256], word1 int32 [N // 4], group offsets int32 [N // 4], units in use int32 [1]).
 
   Groups lie in the payload in the order their tiles took the counter (any order is valid,
-  FORMAT.md §6); bytes past the units in use are unspecified. ctas: persistent CTAs (0: two per
-  SM); interpreted, always one, so tiles run in order.
+  FORMAT.md §6); bytes past the units in use are zero with `zero_tail`, else unspecified.
+  ctas: persistent CTAs (0: two per SM); interpreted, always one, so tiles run in order.
   """
   T = tile_groups
   groups = bits2d.shape[0] // B.BLOCKS_PER_GROUP
@@ -348,16 +405,16 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
   if groups % T:
     raise ValueError(f"{bits2d.shape[0]} block rows are not whole tiles of {T} groups")
   tiles = groups // T
-  smem = (stages + 2) * T * B.BLOCKS_PER_GROUP * BLOCK_BYTES
+  smem = (stages + 2) * T * B.BLOCKS_PER_GROUP * BLOCK_BYTES + 4 * T * B.UNIT_BYTES  # ring, staging, zeros
   if smem > SMEM_BYTES:
     raise ValueError(f"tile_groups={T} with stages={stages} needs {smem} bytes of shared memory per CTA "
                      f"(> {SMEM_BYTES}): fewer groups per tile or fewer stages")
   ctas = 1 if interpret else min(ctas or 2 * NUM_SMS, tiles)
   rows = 8 * T
-  counter = jax.new_ref(jnp.zeros((1,), jnp.int32))
+  counter = jax.new_ref(jnp.zeros((2,), jnp.int32))
   payload, word1, offsets = plgpu.kernel(
       functools.partial(_kernel, tiles=tiles, ctas=ctas, tile_groups=T, stages=stages, num_blocks=num_blocks,
-                        interpret=interpret),
+                        zero_tail=zero_tail, interpret=interpret),
       out_type=(
           jax.ShapeDtypeStruct((groups * GROUP_UNITS, B.UNIT_BYTES), jnp.uint8),
           jax.ShapeDtypeStruct((groups,), jnp.int32),
@@ -367,6 +424,7 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
           plgpu.SMEM((stages, rows, ROW_U16), jnp.uint16),
           plgpu.SMEM((2, GROUP_UNITS * T, B.UNIT_BYTES), jnp.uint8),
           plgpu.SMEM((max(T, 4),), jnp.int32),
+          plgpu.SMEM((4 * T, B.UNIT_BYTES), jnp.uint8),
           plgpu.Barrier(num_barriers=stages),
       ),
       grid=(ctas,),
@@ -375,4 +433,4 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
   )(bits2d.reshape(-1, ROW_U16), counter)
-  return payload, word1, offsets, counter[...]
+  return payload, word1, offsets, counter[...][:1]
