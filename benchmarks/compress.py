@@ -209,15 +209,22 @@ def variant_configs() -> dict[str, CompressConfig]:
                                                                                   tile_counter=True, zero_tail=False),
       # Bulk copies in and out (`tma`, pallas_kernels/compress_tma.py, Mosaic GPU): tiles of T groups
       # (4T KiB of BF16), `tma_stages` of them in flight per CTA, C persistent CTAs; shared memory per
-      # CTA = stages * 4T KiB in + 2 * 4T KiB of staging, so
-      # t4_s4 (96 KiB) fits 2 CTAs per SM, t2_s4 (48 KiB) 4, t8_s2 (128 KiB) 1, t4_s2 (64 KiB) 3.
-      "tma_t4_s4_c264": CompressConfig(tma=True, tile_groups=4, tma_stages=4, persistent_programs=264),
+      # CTA = stages * 4T KiB in + 2 * 4T KiB of staging + T KiB of zeros, so
+      # t4_s4 (100 KiB) fits 2 CTAs per SM, t2_s4 (50 KiB) 4, t8_s2 (136 KiB) 1, t4_s2 (68 KiB) 3.
+      "tma_t4_s4_c264": CompressConfig(tma=True, tile_groups=4, tma_stages=4, persistent_programs=264, ordered=False),
       "tma_t4_s4_c264_nozero": CompressConfig(tma=True, tile_groups=4, tma_stages=4, persistent_programs=264,
-                                              zero_tail=False),
-      "tma_t2_s4_c528": CompressConfig(tma=True, tile_groups=2, tma_stages=4, persistent_programs=528),
-      "tma_t4_s2_c396": CompressConfig(tma=True, tile_groups=4, tma_stages=2, persistent_programs=396),
-      "tma_t8_s2_c132": CompressConfig(tma=True, tile_groups=8, tma_stages=2, persistent_programs=132),
-      "tma_t2_s6_c396": CompressConfig(tma=True, tile_groups=2, tma_stages=6, persistent_programs=396),
+                                              zero_tail=False, ordered=False),
+      "tma_t2_s4_c528": CompressConfig(tma=True, tile_groups=2, tma_stages=4, persistent_programs=528, ordered=False),
+      "tma_t4_s2_c396": CompressConfig(tma=True, tile_groups=4, tma_stages=2, persistent_programs=396, ordered=False),
+      "tma_t8_s2_c132": CompressConfig(tma=True, tile_groups=8, tma_stages=2, persistent_programs=132, ordered=False),
+      "tma_t2_s6_c396": CompressConfig(tma=True, tile_groups=2, tma_stages=6, persistent_programs=396, ordered=False),
+      # The same kernel in block order (decoupled look-back over per-tile states: the reference's
+      # bytes); every CTA must be resident at once, so at most 2 per SM (1 for t8).
+      "tma_ordered_t8_s2_c132": CompressConfig(tma=True, tile_groups=8, tma_stages=2, persistent_programs=132),
+      "tma_ordered_t4_s4_c132": CompressConfig(tma=True, tile_groups=4, tma_stages=4, persistent_programs=132),
+      "tma_ordered_t4_s4_c264": CompressConfig(tma=True, tile_groups=4, tma_stages=4, persistent_programs=264),
+      "tma_ordered_t4_s4_c264_nozero": CompressConfig(tma=True, tile_groups=4, tma_stages=4, persistent_programs=264,
+                                                      zero_tail=False),
   }
 
 

@@ -39,13 +39,14 @@ on packed 32-bit words through inline PTX (`compress_words`; 744 vs 777 us on th
 and `tile_counter` hands out tiles from a counter (no second wave when programs outnumber the
 SM's room).
 
-`tma=True` (version 1, unordered): the Mosaic GPU kernel of `compress_tma`, whose tiles arrive by
+`tma=True` (version 1, `ordered=False`): the Mosaic GPU kernel of `compress_tma`, whose tiles arrive by
 TMA and leave as one bulk copy of exactly their units (size in a register), with the fetch-and-add,
 `redux.sync` and the packed-word arithmetic as inline PTX: 651 us per GiB on the H100 (2.93 TB/s
 r+w, 98% of the copy rate; 737 us with the tail zeroed by a second kernel, 1.13x the best Triton
 kernel), 2026-12-07. It now zeroes the tail itself (each tile reserves its slack at the payload's
 end with the same fetch-and-add and bulk-stores zeros there), so with the tail it moves the bytes
-of one copy: read 1 GiB, write 1 GiB.
+of one copy: read 1 GiB, write 1 GiB. With `ordered=True` (not yet measured) the same kernel places
+tiles in block order by a decoupled look-back, so its bytes are the reference's.
 
 Backend: Pallas Triton for the ordered kernels and version 2 (their placement needs scalar address
 arithmetic and strided/masked stores, which the Triton lowering expresses directly), Mosaic GPU
@@ -153,11 +154,13 @@ class CompressConfig:
       registers allow) finds the tiles taken and exits, instead of running its whole share after
       the others (a second wave). The index of the tile after next is fetched while this tile is
       placed and stored, so the next tile's loads never wait on it.
-    tma: the Mosaic GPU kernel of `compress_tma` (format version 1, groups unordered): tiles of
-      `tile_groups` groups arrive and leave by bulk copies (the copy engine walks the addresses),
-      threads touch only shared memory; `persistent_programs` CTAs (0: two per SM), `tma_stages`
-      tiles in flight per CTA; `zero_tail` zeroes the unused tail inside the same kernel. The
-      other knobs do not apply.
+    tma: the Mosaic GPU kernel of `compress_tma` (format version 1): tiles of `tile_groups`
+      groups arrive and leave by bulk copies (the copy engine walks the addresses), threads touch
+      only shared memory; `tma_stages` tiles in flight per CTA; `zero_tail` zeroes the unused tail
+      inside the same kernel. `ordered=False` places tiles by a fetch-and-add (`persistent_programs`
+      CTAs, 0: two per SM); `ordered=True` in block order by a decoupled look-back over per-tile
+      states (the reference's bytes; 0: one CTA per SM, and never more than surely fit at once,
+      since a tile waits on its predecessors). The other knobs do not apply.
     tma_stages: `tma` only: input tiles in flight per CTA (1-8).
   """
 
@@ -182,7 +185,7 @@ class CompressConfig:
   @property
   def block_order(self) -> bool:
     """Whether groups land in block order (the reference's bytes); else in the order tiles take a counter."""
-    return self.ordered and not self.tma
+    return self.ordered
 
   def __post_init__(self):
     for name in ("plan_blocks", "tile_groups", "look_back_states"):
@@ -191,8 +194,8 @@ class CompressConfig:
         raise ValueError(f"{name}={v} must be a power of two")
     if self.num_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
-    if not self.ordered and not self.single_pass:
-      raise ValueError("ordered=False is a placement of the single-pass kernel (single_pass=True)")
+    if not self.ordered and not (self.single_pass or self.tma):
+      raise ValueError("ordered=False is a placement of the single-pass and tma kernels (single_pass=True or tma=True)")
     if self.max_probes < 0:
       raise ValueError(f"max_probes={self.max_probes} must be >= 0 (0: unbounded)")
     if self.persistent_programs < 0:
@@ -807,7 +810,7 @@ def _compress_bits(bits2d: jax.Array, *, num_blocks: int, config: CompressConfig
       raise ValueError(f"tma=True writes format version 1 only (got version={version})")
     payload, word1, offsets, total = compress_tma.compress_rows(
         bits2d, num_blocks, tile_groups=config.tile_groups, stages=config.tma_stages,
-        ctas=config.persistent_programs, zero_tail=config.zero_tail, interpret=interpret)
+        ctas=config.persistent_programs, zero_tail=config.zero_tail, ordered=config.ordered, interpret=interpret)
     group_meta = codec.make_group_meta(offsets, codec.unpack_meta_bytes(word1.astype(jnp.uint32)), version)
     return payload.reshape(-1)[: num_blocks * B.ROW_BYTES], group_meta[:groups], total[0]
   if config.single_pass:

@@ -64,6 +64,10 @@ ZERO_CHUNKS = 4  # a tile's slack (<= 16T units) is zeroed in at most 4 bulk sto
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
 MAGNITUDE = 0x7FFF7FFF
+# Ordered placement: a tile's state word (GMEM int32, zero before the kernel) is its flag in the top
+# two bits and a unit count below: 0 not yet posted, AGGREGATE | its own units, PREFIX | the units
+# of every tile up to and including it.
+AGGREGATE, PREFIX, STATE_VALUE = 1 << 30, 2 << 30, (1 << 30) - 1
 
 PTX = {  # the instructions this kernel spells out ($0 the result, then the operands)
     "redux_min": "redux.sync.min.u32 $0, $1, 0xffffffff;",
@@ -71,6 +75,9 @@ PTX = {  # the instructions this kernel spells out ($0 the result, then the oper
     "min16": "min.u16x2 $0, $1, $2;",
     "max16": "max.u16x2 $0, $1, $2;",
     "atomic_add": "atom.global.relaxed.gpu.add.u64 $0, [$1], $2;",
+    "redux_add": "redux.sync.add.u32 $0, $1, 0xffffffff;",
+    "load_state": "ld.relaxed.gpu.global.u32 $0, [$1];",
+    "post_state": "st.relaxed.gpu.global.u32 [$0], $1;",
     "bulk_store": "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
     "commit": "cp.async.bulk.commit_group;",
     "wait_read_1": "cp.async.bulk.wait_group.read 1;",
@@ -103,6 +110,14 @@ class LaneOps(MlirOps):
   @staticmethod
   def max16(a, b):
     return mu.inline_ptx(PTX["max16"], a, b, result_types=_i32())
+
+  @staticmethod
+  def redux_max(a):
+    return mu.inline_ptx(PTX["redux_max"], a, result_types=_i32(), convergent=True)
+
+  @staticmethod
+  def redux_add(a):
+    return mu.inline_ptx(PTX["redux_add"], a, result_types=_i32(), convergent=True)
 
 
 def lane_extremes(ops, words):
@@ -145,6 +160,29 @@ def group_units(ops, word1):
   return ops.add(ops.mul(ops.sub(ops.const(4), absent), ops.const(3)), raw)
 
 
+def look_back_window(ops, states, lane, acc):
+  """One step of the ordered placement's look-back (decoupled look-back, as in single-pass scans),
+  over a warp's window of predecessor states: lane l holds the state of tile `end - 32 + l` (a tile
+  before 0 reads as PREFIX | 0).
+
+  The nearest PREFIX (the highest lane holding one) ends the walk: the units of it and of every
+  AGGREGATE above it, plus `acc`, are the tile's exclusive prefix. Without one, every state must be
+  an AGGREGATE: their sum joins `acc` and the walk goes on 32 tiles further back. A state not yet
+  posted (0) above the nearest prefix means the window is read again.
+
+  Returns warp-uniform (retry, found, acc'): retry 1 to read the same window again (acc' then
+  meaningless); else found 1 when acc' is the prefix, 0 when acc' is the sum so far.
+  """
+  c = ops.const
+  flag, value = ops.shr(states, c(30)), ops.and_(states, c(STATE_VALUE))
+  lane1 = ops.add(lane, c(1))
+  top = ops.redux_max(ops.select(ops.eq(flag, c(PREFIX >> 30)), lane1, c(0)))  # highest prefix lane + 1, 0: none
+  counted = ops.ult(lane1, top)  # below the nearest prefix: not counted
+  missing = ops.redux_max(ops.select(counted, c(0), ops.select(ops.eq(flag, c(0)), c(1), c(0))))
+  total = ops.redux_add(ops.select(counted, c(0), value))
+  return missing, ops.select(ops.ult(c(0), top), c(1), c(0)), ops.add(acc, total)
+
+
 # ---------------------------------------------------------------------------------------------
 # The tile, as inline Mosaic GPU code (GPU only).
 
@@ -166,6 +204,32 @@ def _store(ptr, offset, value):
   llvm.store(value, _gep(ptr, offset))
 
 
+def _state_ptr(states_ref, tile):
+  return mu.getelementptr(mu.memref_ptr(states_ref), [arith.extui(ir.IntegerType.get_signless(64), tile)], _i32())
+
+
+def _look_back(states_ref, tile, lane):
+  """Warp 0: tile `tile`'s exclusive prefix (units), walking the predecessors' states 32 at a time."""
+  i32 = _i32()
+  loop = scf.WhileOp([i32, i32, i32], [tile, _c(0), _c(0)])  # (window end, units so far, found)
+  before = loop.before.blocks.append(i32, i32, i32)
+  with ir.InsertionPoint(before):
+    scf.condition(_eq(before.arguments[2], _c(0)), list(before.arguments))
+  after = loop.after.blocks.append(i32, i32, i32)
+  with ir.InsertionPoint(after):
+    end, acc, _ = after.arguments
+    index = arith.addi(arith.subi(end, _c(32)), lane)
+    before_first = arith.cmpi(arith.CmpIPredicate.slt, index, _c(0))
+    loaded = mu.inline_ptx(PTX["load_state"], _state_ptr(states_ref, arith.maxsi(index, _c(0))), result_types=i32,
+                           has_side_effects=True)  # read again on every pass: never hoisted or merged
+    state = arith.select(before_first, _c(PREFIX - (1 << 32)), loaded)
+    retry, found, summed = look_back_window(LaneOps, state, lane, acc)
+    again = _eq(retry, _c(1))
+    moved = arith.select(arith.ori(again, _eq(found, _c(1))), end, arith.subi(end, _c(32)))
+    scf.yield_([moved, arith.select(again, acc, summed), arith.select(again, _c(0), found)])
+  return loop.results[1]
+
+
 def _vec(*words):
   ty = ir.VectorType.get((len(words),), _i32())
   vec = llvm.mlir_undef(ty)
@@ -174,8 +238,8 @@ def _vec(*words):
   return vec
 
 
-def compress_tile(in_ref, staging_ref, word1_smem, zeros_smem, payload_ref, word1_out, offset_out, counter_ref, tile,
-                  parity, *, tile_groups, num_blocks, zero_tail):
+def compress_tile(in_ref, staging_ref, word1_smem, zeros_smem, payload_ref, word1_out, offset_out, counter_ref,
+                  states_ref, tile, parity, *, tile_groups, num_blocks, zero_tail, ordered, num_tiles):
   """Compress tile `tile` (its rows in `in_ref`, uint16 [8T, 256]) into `staging_ref[parity]`,
   take its offset, store it with one bulk copy (and, with `zero_tail`, zeros over its slack at the
   payload's end), and write its group records.
@@ -184,7 +248,8 @@ def compress_tile(in_ref, staging_ref, word1_smem, zeros_smem, payload_ref, word
     in_ref: SMEM uint16 [8T, 256] (4T blocks of 512); staging_ref: SMEM uint8 [2, 16T, 256];
     word1_smem: SMEM int32 [>= T]; zeros_smem: SMEM uint8 [4T, 256] of zeros; payload_ref: GMEM
     uint8 [U, 256]; word1_out, offset_out: GMEM int32 [tiles * T]; counter_ref: GMEM int32 [2]
-    (units in use, units zeroed; one 8-byte word); tile, parity: i32 splats.
+    (units in use, units zeroed; one 8-byte word); states_ref: GMEM int32 [tiles] (`ordered`: the
+    look-back states, zeros in); tile, parity: i32 splats.
   """
   T = tile_groups
   ops = LaneOps
@@ -230,7 +295,11 @@ def compress_tile(in_ref, staging_ref, word1_smem, zeros_smem, payload_ref, word
     old = mu.inline_ptx(PTX["atomic_add"], mu.memref_ptr(counter_ref), add, result_types=i64, has_side_effects=True)
     return [arith.trunci(_i32(), old), arith.trunci(_i32(), arith.shrui(old, mu.c(32, i64)))]
 
-  base, zeroed = _branch(leader, 2, reserve, lambda: [_c(0), _c(0)])
+  if ordered:  # post this tile's own units now; its offset comes from the look-back below
+    _when(leader, lambda: _ptx("post_state", _state_ptr(states_ref, tile), arith.ori(total, _c(AGGREGATE)),
+                               result=False))
+  else:
+    base, zeroed = _branch(leader, 2, reserve, lambda: [_c(0), _c(0)])
   staging = _gep(mu.memref_ptr(staging_ref), arith.muli(parity, _c(GROUP_UNITS * T * B.UNIT_BYTES)))
   shift = arith.shli(warp, _c(3))
   for g, (words, slot, present) in enumerate(blocks):
@@ -250,6 +319,14 @@ def compress_tile(in_ref, staging_ref, word1_smem, zeros_smem, payload_ref, word
 
     _when(present, put)
   mu.commit_shared()  # the staging stores reach the async proxy; warpgroup barrier
+  if ordered:  # warp 0 walks back to the tile's offset while the other warps start the next tile
+    (base,) = _branch(_eq(warp, _c(0)), 1, lambda: [_look_back(states_ref, tile, lane)], lambda: [_c(0)])
+    end = arith.addi(base, total)
+    _when(leader, lambda: _ptx("post_state", _state_ptr(states_ref, tile), arith.ori(end, _c(PREFIX - (1 << 32))),
+                               result=False))
+    _when(arith.andi(leader, _eq(tile, _c(num_tiles - 1))),  # the last tile's prefix: the units in use
+          lambda: llvm.store(end, mu.memref_ptr(counter_ref)))
+    zeroed = arith.subi(arith.muli(tile, _c(GROUP_UNITS * T)), base)  # earlier tiles' slack, in tile order
   # 3. One bulk store of the tile's units; the group records.
   payload = mu.memref_ptr(payload_ref)
 
@@ -345,10 +422,11 @@ def _tile_interpret(in_ref, payload_ref, word1_out, offset_out, counter_ref, til
 # ---------------------------------------------------------------------------------------------
 # The kernel.
 
-def _kernel(bits_ref, counter_ref, payload_ref, word1_out, offset_out, in_smem, staging, word1_smem, zeros_smem,
-            bars, *, tiles, ctas, tile_groups, stages, num_blocks, zero_tail, interpret):
+def _kernel(bits_ref, counter_ref, states_ref, payload_ref, word1_out, offset_out, in_smem, staging, word1_smem,
+            zeros_smem, bars, *, tiles, ctas, tile_groups, stages, num_blocks, zero_tail, ordered, interpret):
   """bits_ref: GMEM uint16 [tiles * 8T, 256] (block rows); counter_ref: GMEM int32 [2], zeros in,
-  (units in use, units zeroed) out (a mutable ref); payload_ref: GMEM uint8 [tiles * 16T, 256];
+  (units in use, units zeroed) out (a mutable ref); states_ref: GMEM int32 [tiles] (`ordered`; else
+  [1], unused), zeros in; payload_ref: GMEM uint8 [tiles * 16T, 256];
   word1_out, offset_out: GMEM int32 [tiles * T]. Scratch: in_smem uint16 [stages, 8T, 256], staging
   uint8 [2, 16T, 256], word1_smem int32 [max(T, 4)], zeros_smem uint8 [4T, 256], bars: `stages`
   barriers."""
@@ -376,11 +454,11 @@ def _kernel(bits_ref, counter_ref, payload_ref, word1_out, offset_out, in_smem, 
       _tile_interpret(in_smem.at[stage], payload_ref, word1_out, offset_out, counter_ref, tile,
                       tile_groups=tile_groups, num_blocks=num_blocks, zero_tail=zero_tail)
     else:
-      plgpu.inline_mgpu(arg_types=(ref,) * 8 + (splat, splat))(
+      plgpu.inline_mgpu(arg_types=(ref,) * 9 + (splat, splat))(
           lambda ctx, *args: compress_tile(*args, tile_groups=tile_groups, num_blocks=num_blocks,
-                                           zero_tail=zero_tail))(
+                                           zero_tail=zero_tail, ordered=ordered, num_tiles=tiles))(
               in_smem.at[stage], staging, word1_smem, zeros_smem, payload_ref, word1_out, offset_out, counter_ref,
-              tile, lax.rem(i, 2))
+              states_ref, tile, lax.rem(i, 2))
     pl.when(i + stages < my_tiles)(functools.partial(load, i + stages))  # every thread is past the stage's reads
     return carry
 
@@ -389,14 +467,32 @@ def _kernel(bits_ref, counter_ref, payload_ref, word1_out, offset_out, in_smem, 
     plgpu.inline_mgpu()(lambda ctx: drain_stores())()
 
 
+def max_resident_ctas(smem_bytes: int, num_sms: int = NUM_SMS) -> int:
+  """CTAs of `smem_bytes` that are surely resident at once: per SM, as many as its 228 KiB of
+  shared memory holds (1 KiB reserved each), at most two (128 threads at up to 255 registers
+  take half of the SM's 65,536)."""
+  return num_sms * min(2, (228 * 1024) // (smem_bytes + 1024))
+
+
+def _num_sms() -> int:
+  """The GPU's SM count (132 on the H100 SXM and the H200; also off-GPU, for lowering)."""
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return NUM_SMS
+  return getattr(device, "core_count", None) or NUM_SMS
+
+
 def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int = 4, ctas: int = 0,
-                  zero_tail: bool = True, interpret: bool = False):
+                  zero_tail: bool = True, ordered: bool = False, interpret: bool = False):
   """bits2d uint16 [N, 512] (N a multiple of 4 * tile_groups; rows >= num_blocks are padding) ->
   (payload uint8 [N // 4 * 16, 256], word1 int32 [N // 4], group offsets int32 [N // 4], units in use int32 [1]).
 
-  Groups lie in the payload in the order their tiles took the counter (any order is valid,
-  FORMAT.md §6); bytes past the units in use are zero with `zero_tail`, else unspecified.
-  ctas: persistent CTAs (0: two per SM); interpreted, always one, so tiles run in order.
+  Unordered, groups lie in the payload in the order their tiles took the counter (any order is
+  valid, FORMAT.md §6). `ordered`: in block order, the reference's bytes: each tile posts its
+  units and walks back over its predecessors' states for its offset (decoupled look-back), so
+  every CTA must be resident at once (it waits on the others): at most `max_resident_ctas`.
+  Bytes past the units in use are zero with `zero_tail`, else unspecified. ctas: persistent CTAs
+  (0: two per SM unordered, one per SM ordered); interpreted, always one, so tiles run in order.
   """
   T = tile_groups
   groups = bits2d.shape[0] // B.BLOCKS_PER_GROUP
@@ -409,12 +505,17 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
   if smem > SMEM_BYTES:
     raise ValueError(f"tile_groups={T} with stages={stages} needs {smem} bytes of shared memory per CTA "
                      f"(> {SMEM_BYTES}): fewer groups per tile or fewer stages")
-  ctas = 1 if interpret else min(ctas or 2 * NUM_SMS, tiles)
+  sms = _num_sms()
+  if ordered and ctas > max_resident_ctas(smem, sms):
+    raise ValueError(f"ordered placement waits on every CTA: ctas={ctas} exceeds the "
+                     f"{max_resident_ctas(smem, sms)} surely resident at once")
+  ctas = 1 if interpret else min(ctas or (1 if ordered else 2) * sms, tiles)
   rows = 8 * T
   counter = jax.new_ref(jnp.zeros((2,), jnp.int32))
+  states = jax.new_ref(jnp.zeros((tiles if ordered else 1,), jnp.int32))
   payload, word1, offsets = plgpu.kernel(
       functools.partial(_kernel, tiles=tiles, ctas=ctas, tile_groups=T, stages=stages, num_blocks=num_blocks,
-                        zero_tail=zero_tail, interpret=interpret),
+                        zero_tail=zero_tail, ordered=ordered, interpret=interpret),
       out_type=(
           jax.ShapeDtypeStruct((groups * GROUP_UNITS, B.UNIT_BYTES), jnp.uint8),
           jax.ShapeDtypeStruct((groups,), jnp.int32),
@@ -432,5 +533,5 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
       kernel_name="zipfusion_compress_tma",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
-  )(bits2d.reshape(-1, ROW_U16), counter)
+  )(bits2d.reshape(-1, ROW_U16), counter, states)
   return payload, word1, offsets, counter[...][:1]

@@ -115,12 +115,15 @@ def test_the_lane_check_can_fail(monkeypatch):
     check_lanes(bits)
 
 
-@pytest.mark.parametrize("n,tile_groups,stages,zero_tail", [(53, 4, 2, True), (64, 2, 3, False), (37, 1, 1, True),
-                                                            (130, 8, 2, True)])
-def test_interpreted_kernel_is_a_valid_stream_of_the_reference_groups(n, tile_groups, stages, zero_tail):
+@pytest.mark.parametrize("n,tile_groups,stages,zero_tail,ordered", [
+    (53, 4, 2, True, False), (64, 2, 3, False, False), (37, 1, 1, True, False), (130, 8, 2, True, False),
+    (53, 4, 2, True, True), (37, 1, 1, False, True)])
+def test_interpreted_kernel_is_a_valid_stream_of_the_reference_groups(n, tile_groups, stages, zero_tail, ordered):
   x = _blocks(n, seed=n).view(ml_dtypes.bfloat16)
-  cfg = CompressConfig(tma=True, tile_groups=tile_groups, tma_stages=stages, zero_tail=zero_tail)
+  cfg = CompressConfig(tma=True, tile_groups=tile_groups, tma_stages=stages, zero_tail=zero_tail, ordered=ordered)
   got, want = compress_pallas(x, config=cfg, interpret=True), zf.compress(x)
+  if ordered:  # block order: the reference's offsets as written
+    np.testing.assert_array_equal(np.asarray(got.group_meta), np.asarray(want.group_meta))
   zf.validate(got)
   canonical = codec.canonical_order(got)
   assert int(got.payload_units) == int(want.payload_units)
@@ -133,8 +136,56 @@ def test_interpreted_kernel_is_a_valid_stream_of_the_reference_groups(n, tile_gr
   np.testing.assert_array_equal(np.asarray(zf.decompress(got)).view(np.uint16), x.view(np.uint16))
 
 
+class WarpOps(NumpyOps):
+  """NumpyOps plus `redux.sync` over a warp: arrays [..., 32 lanes], the result on every lane."""
+
+  redux_max = staticmethod(lambda a: np.broadcast_to(a.max(axis=-1, keepdims=True), a.shape))
+  redux_add = staticmethod(lambda a: np.broadcast_to(a.sum(axis=-1, keepdims=True, dtype=np.uint32), a.shape))
+
+
+def _walk(states, tile):
+  """The look-back of `_look_back` on numpy: windows of 32 states ending at `tile`, read again
+  while `retry` (here: None, since the states never change), until a prefix is found."""
+  end, acc, lane = tile, np.uint32(0), np.arange(32, dtype=np.uint32)
+  while True:
+    index = end - 32 + lane.astype(np.int64)
+    window = np.where(index < 0, np.uint32(CT.PREFIX), states[np.maximum(index, 0)]).astype(np.uint32)
+    retry, found, summed = (v[0] for v in CT.look_back_window(WarpOps, window, lane, acc))
+    if retry:
+      return None
+    acc = summed
+    if found:
+      return int(acc)
+    end -= 32
+
+
+def test_look_back_finds_every_tiles_prefix():
+  rng = np.random.default_rng(0)
+  units = rng.integers(0, 65, 300).astype(np.uint32)  # 0..64: a tile of 4 groups, absent blocks included
+  prefix = np.concatenate([[0], np.cumsum(units)]).astype(np.uint32)
+  for trial in range(20):
+    # Each tile posted as its aggregate, or as its inclusive prefix, at random; never unposted.
+    inclusive = rng.random(300) < [0.0, 0.05, 0.5, 1.0][trial % 4]
+    states = np.where(inclusive, CT.PREFIX | prefix[1:], CT.AGGREGATE | units).astype(np.uint32)
+    for tile in [0, 1, 31, 32, 33, 64, 150, 299]:
+      assert _walk(states, tile) == prefix[tile], (trial, tile)
+  # An unposted state above the nearest prefix makes the window be read again; below it, it does not matter.
+  states = (CT.AGGREGATE | units).astype(np.uint32)
+  states[100] = CT.PREFIX | prefix[101]
+  states[110] = 0
+  assert _walk(states, 120) is None
+  states[105] = 0
+  states[110] = CT.AGGREGATE | units[110]
+  states[99] = 0
+  assert _walk(states, 120) is None  # 105 is above the prefix at 100
+  states[105] = CT.AGGREGATE | units[105]
+  assert _walk(states, 120) == prefix[120]  # 99 lies below the prefix at 100
+
+
 def test_config_checks():
-  assert not CompressConfig(tma=True).block_order and CompressConfig().block_order
+  assert not CompressConfig(tma=True, ordered=False).block_order and CompressConfig(tma=True).block_order
+  with pytest.raises(ValueError, match="resident"):
+    CT.compress_rows(jnp.zeros((64, 512), jnp.uint16), 64, tile_groups=4, stages=4, ctas=265, ordered=True)
   with pytest.raises(ValueError, match="tma"):
     CompressConfig(tma=True, single_pass=True, ordered=False)
   with pytest.raises(ValueError, match="tma_stages"):
@@ -145,18 +196,19 @@ def test_config_checks():
     compress_pallas(_blocks(8).view(ml_dtypes.bfloat16), config=CompressConfig(tma=True), interpret=True, version=2)
 
 
-@pytest.mark.parametrize("zero_tail", [False, True])
-def test_lowers_for_an_abstract_h200_with_its_ptx(zero_tail):
+@pytest.mark.parametrize("zero_tail,ordered", [(False, False), (True, False), (True, True)])
+def test_lowers_for_an_abstract_h200_with_its_ptx(zero_tail, ordered):
   h200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
                       abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
 
   def f(x):
-    c = compress_pallas(x, config=CompressConfig(tma=True, tile_groups=4, zero_tail=zero_tail),
+    c = compress_pallas(x, config=CompressConfig(tma=True, tile_groups=4, zero_tail=zero_tail, ordered=ordered),
                         interpret=False)
     return c.payload, c.group_meta, c.payload_units
 
   with jax.sharding.use_abstract_mesh(h200):
     text = jax.jit(f).trace(jax.ShapeDtypeStruct((1000, 512), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1  # the tail zeros too: no second kernel
-  for ptx in CT.PTX.values():
-    assert ptx.split()[0] in text, ptx
+  look_back = ("redux_add", "load_state", "post_state")  # the ordered placement's; the counter is unordered's
+  for name, ptx in CT.PTX.items():
+    assert (ptx.split()[0] in text) == (ordered if name in look_back else name != "atomic_add" or not ordered), name
