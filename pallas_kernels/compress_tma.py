@@ -1,4 +1,4 @@
-"""Streaming compression through the TMA (Mosaic GPU, Hopper): format version 1, groups unordered.
+"""Streaming compression through the TMA (Mosaic GPU, Hopper): format version 1.
 
 Why a second design: every Triton compressor so far moves about 2.5 TB/s (read + write) on the
 H100 and the H200 alike, although the H200's HBM is 1.4x faster and Triton's own copies reach
@@ -20,15 +20,23 @@ One CTA is one warpgroup, persistent over tiles `cta, cta + C, ...` of `T` group
   warpgroup barrier every thread knows every group's size, places its block in the tile's staging
   buffer (the tile's groups back to back, as they will lie in the payload) and writes its low bytes
   and codes (a raw block: its high bytes) there;
-* thread 0 takes the tile's offset with one relaxed fetch-and-add on the unit counter, issued
-  before its staging stores so the round trip runs under them, and after a second barrier stores
-  the whole tile with one bulk copy of exactly its units (`cp.async.bulk.global.shared::cta`, the
-  size in a register). Two staging buffers alternate: a tile's store drains under the next tile;
-* with `zero_tail`, the same fetch-and-add (64 bits: the low word counts units in use from the
-  payload's start, the high word units zeroed from its end) also reserves the tile's slack (16T
-  units less its own) at the payload's end, and thread 0 bulk-stores zeros there from a zeroed
-  shared buffer. The slacks sum to the payload less the units in use, so the zeros cover exactly
-  the unused tail (FORMAT.md §6, "rest zero") with no second kernel and no grid-wide wait;
+* the tile's offset, in one of two placements:
+  - unordered: thread 0 takes it with one relaxed fetch-and-add on the unit counter, issued
+    before its staging stores so the round trip runs under them;
+  - ordered (block order, the reference's bytes): thread 0 posts the tile's units as its state
+    (AGGREGATE) before the staging stores; after them, warp 0 walks back over the predecessors'
+    states 32 at a time to the nearest inclusive PREFIX (decoupled look-back, `look_back_window`)
+    while warps 1-3 start the next tile, then posts the tile's own PREFIX. A tile waits on
+    others, so every CTA must be resident at once (`max_resident_ctas`);
+* after a second barrier thread 0 stores the whole tile with one bulk copy of exactly its units
+  (`cp.async.bulk.global.shared::cta`, the size in a register). Two staging buffers alternate: a
+  tile's store drains under the next tile;
+* with `zero_tail`, thread 0 bulk-stores zeros from a zeroed shared buffer over the tile's slack
+  (16T units less its own), taken from the payload's end: unordered, the same fetch-and-add (64
+  bits: the low word counts units in use from the start, the high word units zeroed from the
+  end) reserves both; ordered, the earlier tiles' slack is `16T * tile - offset`. The slacks sum
+  to the payload less the units in use, so the zeros cover exactly the unused tail (FORMAT.md §6,
+  "rest zero") with no second kernel and no grid-wide wait;
 * warp 0's lanes 0 .. T-1 write the group records (offset, slot bytes).
 
 The per-lane arithmetic is written once against an `ops` object (`LaneOps` here builds MLIR; the
