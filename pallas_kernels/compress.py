@@ -215,6 +215,11 @@ class CompressConfig:
       raise ValueError("tma is its own kernel: leave single_pass, packed_words and tile_counter off")
     if not 1 <= self.tma_stages <= 8:
       raise ValueError(f"tma_stages={self.tma_stages} must be in [1, 8]")
+    if self.tma and compress_tma.smem_bytes(self.tile_groups, self.tma_stages, self.zero_tail) > compress_tma.SMEM_BYTES:
+      raise ValueError(f"tma with tile_groups={self.tile_groups} and tma_stages={self.tma_stages} needs "
+                       f"{compress_tma.smem_bytes(self.tile_groups, self.tma_stages, self.zero_tail)} bytes of "
+                       f"shared memory per CTA (> {compress_tma.SMEM_BYTES}): fewer groups per tile (4 measured "
+                       "best with 4 stages) or fewer stages")
     if self.tile_counter and (not self.persistent_programs or self.offset_ahead):
       raise ValueError("tile_counter is a schedule of the persistent kernel (persistent_programs > 0, "
                        "without offset_ahead)")
@@ -844,7 +849,7 @@ def _block_rows(x, config: CompressConfig):
 def compress_pallas(x, *, config: CompressConfig | None = None, interpret: bool | None = None,
                     version: int = B.FORMAT_VERSION) -> codec.CompressedBlocks:
   """Pallas encoder with the contract of `codec.compress_reference` (same bytes; with
-  `config.block_order` False (`ordered=False`, `tma`) the same groups in another order, with `config.zero_tail=False` the
+  `config.block_order` False (`ordered=False`) the same groups in another order, with `config.zero_tail=False` the
   bytes past `payload_units * 256` unspecified).
 
   Args:

@@ -191,6 +191,28 @@ def look_back_window(ops, states, lane, acc):
   return missing, ops.select(ops.ult(c(0), top), c(1), c(0)), ops.add(acc, total)
 
 
+def look_back_step(ops, states, lane, end, acc):
+  """One pass of the look-back loop over the window of 32 states ending at tile `end` (exclusive):
+  -> (end', acc', found', retry). Read the same window again on `retry`, the one 32 tiles further
+  back when neither `retry` nor `found'`; `acc'` is the prefix once `found'`. The loop of every
+  backend (MLIR on the GPU, jnp interpreted, numpy in the tests) runs this step."""
+  c = ops.const
+  retry, found, summed = look_back_window(ops, states, lane, acc)
+  again = ops.eq(retry, c(1))
+  moved = ops.select(ops.eq(ops.or_(retry, found), c(1)), end, ops.sub(end, c(32)))
+  return moved, ops.select(again, acc, summed), ops.select(again, c(0), found), retry
+
+
+class JnpWarpOps:
+  """`look_back_step`'s ops on jnp uint32 [32] (a warp's lanes; `redux.sync` as a reduction over them)."""
+
+  and_, or_, shr, add, sub = jnp.bitwise_and, jnp.bitwise_or, jnp.right_shift, jnp.add, jnp.subtract
+  select, eq, ult = jnp.where, jnp.equal, jnp.less
+  const = staticmethod(jnp.uint32)
+  redux_max = staticmethod(lambda a: jnp.broadcast_to(jnp.max(a), a.shape))
+  redux_add = staticmethod(lambda a: jnp.broadcast_to(jnp.sum(a, dtype=jnp.uint32), a.shape))
+
+
 # ---------------------------------------------------------------------------------------------
 # The tile, as inline Mosaic GPU code (GPU only).
 
@@ -231,10 +253,7 @@ def _look_back(states_ref, tile, lane):
     loaded = mu.inline_ptx(PTX["load_state"], _state_ptr(states_ref, arith.maxsi(index, _c(0))), result_types=i32,
                            has_side_effects=True)  # read again on every pass: never hoisted or merged
     state = arith.select(before_first, _c(PREFIX - (1 << 32)), loaded)
-    retry, found, summed = look_back_window(LaneOps, state, lane, acc)
-    again = _eq(retry, _c(1))
-    moved = arith.select(arith.ori(again, _eq(found, _c(1))), end, arith.subi(end, _c(32)))
-    scf.yield_([moved, arith.select(again, acc, summed), arith.select(again, _c(0), found)])
+    scf.yield_(list(look_back_step(LaneOps, state, lane, end, acc)[:3]))
   return loop.results[1]
 
 
@@ -339,7 +358,7 @@ def compress_tile(in_ref, staging_ref, word1_smem, zeros_smem, payload_ref, word
   payload = mu.memref_ptr(payload_ref)
 
   def store_tile():
-    dst = _gep(payload, arith.extui(ir.IntegerType.get_signless(64), arith.muli(base, _c(B.UNIT_BYTES))))
+    dst = _gep(payload, arith.muli(arith.extui(i64, base), mu.c(B.UNIT_BYTES, i64)))  # 64-bit: no wrap
     _ptx("bulk_store", dst, staging, arith.muli(total, _c(B.UNIT_BYTES)), result=False)
 
   _when(arith.andi(leader, arith.cmpi(arith.CmpIPredicate.ugt, total, _c(0))), store_tile)
@@ -349,7 +368,7 @@ def compress_tile(in_ref, staging_ref, word1_smem, zeros_smem, payload_ref, word
 
     def store_zeros(k):
       size = arith.minsi(arith.subi(slack, _c(k * chunk)), _c(chunk))
-      dst = _gep(payload, arith.extui(i64, arith.muli(arith.addi(start, _c(k * chunk)), _c(B.UNIT_BYTES))))
+      dst = _gep(payload, arith.muli(arith.extui(i64, arith.addi(start, _c(k * chunk))), mu.c(B.UNIT_BYTES, i64)))
       _when(arith.cmpi(arith.CmpIPredicate.sgt, size, _c(0)), lambda: _ptx(
           "bulk_store", dst, mu.memref_ptr(zeros_smem), arith.muli(size, _c(B.UNIT_BYTES)), result=False))
 
@@ -391,10 +410,28 @@ def drain_stores():
 # ---------------------------------------------------------------------------------------------
 # Interpreted tile (CPU): the same placement, the bytes from the format's jnp encoder.
 
-def _tile_interpret(in_ref, payload_ref, word1_out, offset_out, counter_ref, tile, *, tile_groups, num_blocks,
-                    zero_tail):
+def _look_back_interpret(states_ref, tile):
+  """`_look_back` in jnp: the same loop of `look_back_step`s over the states as they stand."""
+  lane = jnp.arange(32, dtype=jnp.uint32)
+
+  def body(carry):
+    end, acc, _ = carry
+    index = end.astype(jnp.int32) - 32 + lane.astype(jnp.int32)
+    states = lax.bitcast_convert_type(states_ref[...], jnp.uint32)
+    window = jnp.where(index < 0, jnp.uint32(PREFIX), states[jnp.maximum(index, 0)])
+    end, acc, found, _ = look_back_step(JnpWarpOps, window, lane, jnp.broadcast_to(end, (32,)),
+                                        jnp.broadcast_to(acc, (32,)))
+    return end[0], acc[0], found[0]
+
+  start = (tile.astype(jnp.uint32), jnp.uint32(0), jnp.uint32(0))
+  return lax.while_loop(lambda carry: carry[2] == 0, body, start)[1].astype(jnp.int32)
+
+
+def _tile_interpret(in_ref, payload_ref, word1_out, offset_out, counter_ref, states_ref, tile, *, tile_groups,
+                    num_blocks, zero_tail, ordered, num_tiles):
   """What `compress_tile` does to GMEM, in jnp: tiles run in order (one CTA), so the counters are a
-  plain read-modify-write, and the tile's units are stored as a fixed 16T-unit window whose slack
+  plain read-modify-write (ordered: the tile posts its state, walks back with the GPU's loop steps
+  and posts its prefix), and the tile's units are stored as a fixed 16T-unit window whose slack
   the next tile (or the tail zeros) overwrites. That window never reaches zeros already stored: a
   tile's window ends at most where the earlier tiles' zeros begin (what they used and zeroed sums
   to 16T per tile)."""
@@ -409,12 +446,21 @@ def _tile_interpret(in_ref, payload_ref, word1_out, offset_out, counter_ref, til
   unit = jnp.arange(GROUP_UNITS * T)
   owner = jnp.minimum(jnp.sum(unit[:, None] >= ends[None, :], axis=1), 4 * T - 1)  # the block holding each unit
   within = jnp.clip(unit - (ends - sizes)[owner], 0, B.RAW_UNITS - 1)
-  base = counter_ref[0]
-  payload_ref[pl.ds(base, GROUP_UNITS * T)] = rows[owner * B.RAW_UNITS + within]
-  counter_ref[0] = base + ends[-1]
+  window = GROUP_UNITS * T
+  if ordered:
+    states_ref[pl.ds(tile, 1)] = jnp.full((1,), AGGREGATE, jnp.int32) | ends[-1]
+    base = _look_back_interpret(states_ref, tile)
+    states_ref[pl.ds(tile, 1)] = lax.bitcast_convert_type(jnp.full((1,), PREFIX, jnp.uint32) | (base + ends[-1]).astype(
+        jnp.uint32), jnp.int32)
+    counter_ref[0] = jnp.where(tile == num_tiles - 1, base + ends[-1], counter_ref[0])
+    zeroed = tile * window - base  # the earlier tiles' slack
+  else:
+    base, zeroed = counter_ref[0], counter_ref[1]
+    counter_ref[0] = base + ends[-1]
+  payload_ref[pl.ds(base, window)] = rows[owner * B.RAW_UNITS + within]
   if zero_tail:  # zeros over [capacity - zeroed - slack, capacity - zeroed), as a masked 16T-unit window
-    capacity, window = payload_ref.shape[0], GROUP_UNITS * T
-    zeroed = counter_ref[1] + window - ends[-1]
+    capacity = payload_ref.shape[0]
+    zeroed = zeroed + window - ends[-1]
     first = capacity - zeroed
     start = jnp.minimum(first, capacity - window)
     unit = start + jnp.arange(window)
@@ -459,8 +505,9 @@ def _kernel(bits_ref, counter_ref, states_ref, payload_ref, word1_out, offset_ou
     plgpu.barrier_wait(bars.at[stage])
     tile = cta + i * ctas
     if interpret:
-      _tile_interpret(in_smem.at[stage], payload_ref, word1_out, offset_out, counter_ref, tile,
-                      tile_groups=tile_groups, num_blocks=num_blocks, zero_tail=zero_tail)
+      _tile_interpret(in_smem.at[stage], payload_ref, word1_out, offset_out, counter_ref, states_ref, tile,
+                      tile_groups=tile_groups, num_blocks=num_blocks, zero_tail=zero_tail, ordered=ordered,
+                      num_tiles=tiles)
     else:
       plgpu.inline_mgpu(arg_types=(ref,) * 9 + (splat, splat))(
           lambda ctx, *args: compress_tile(*args, tile_groups=tile_groups, num_blocks=num_blocks,
@@ -475,11 +522,18 @@ def _kernel(bits_ref, counter_ref, states_ref, payload_ref, word1_out, offset_ou
     plgpu.inline_mgpu()(lambda ctx: drain_stores())()
 
 
-def max_resident_ctas(smem_bytes: int, num_sms: int = NUM_SMS) -> int:
-  """CTAs of `smem_bytes` that are surely resident at once: per SM, as many as its 228 KiB of
-  shared memory holds (1 KiB reserved each), at most two (128 threads at up to 255 registers
-  take half of the SM's 65,536)."""
-  return num_sms * min(2, (228 * 1024) // (smem_bytes + 1024))
+def smem_bytes(tile_groups: int, stages: int, zero_tail: bool = True) -> int:
+  """Shared memory a CTA's buffers take: the ring, two staging buffers and the zeros."""
+  T = tile_groups
+  return (stages + 2) * T * B.BLOCKS_PER_GROUP * BLOCK_BYTES + (4 * T if zero_tail else 1) * B.UNIT_BYTES
+
+
+def max_resident_ctas(smem: int, num_sms: int = NUM_SMS) -> int:
+  """CTAs whose buffers take `smem` bytes that are surely resident at once: per SM, as many as its
+  228 KiB of shared memory holds with 4 KiB to spare each (the group words, barriers, alignment
+  and the 1 KiB the driver reserves), at most two (128 threads at up to 255 registers take half of
+  the SM's 65,536)."""
+  return num_sms * min(2, (228 * 1024) // (smem + 4096))
 
 
 def _num_sms() -> int:
@@ -509,7 +563,7 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
   if groups % T:
     raise ValueError(f"{bits2d.shape[0]} block rows are not whole tiles of {T} groups")
   tiles = groups // T
-  smem = (stages + 2) * T * B.BLOCKS_PER_GROUP * BLOCK_BYTES + 4 * T * B.UNIT_BYTES  # ring, staging, zeros
+  smem = smem_bytes(T, stages, zero_tail)
   if smem > SMEM_BYTES:
     raise ValueError(f"tile_groups={T} with stages={stages} needs {smem} bytes of shared memory per CTA "
                      f"(> {SMEM_BYTES}): fewer groups per tile or fewer stages")
@@ -533,13 +587,17 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
           plgpu.SMEM((stages, rows, ROW_U16), jnp.uint16),
           plgpu.SMEM((2, GROUP_UNITS * T, B.UNIT_BYTES), jnp.uint8),
           plgpu.SMEM((max(T, 4),), jnp.int32),
-          plgpu.SMEM((4 * T, B.UNIT_BYTES), jnp.uint8),
+          plgpu.SMEM((4 * T if zero_tail else 1, B.UNIT_BYTES), jnp.uint8),
           plgpu.Barrier(num_barriers=stages),
       ),
       grid=(ctas,),
       grid_names=("c",),
       kernel_name="zipfusion_compress_tma",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      # Ordered, warp 0 walks back after the staging stores: without the barrier Pallas puts before
+      # each TMA load, warps 1-3 go on to the next tile's rule meanwhile. The slot a load refills
+      # was last read before the tile's first warpgroup barrier, which every thread has passed.
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                           unsafe_no_auto_barriers=ordered),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
   )(bits2d.reshape(-1, ROW_U16), counter, states)
   return payload, word1, offsets, counter[...][:1]

@@ -144,19 +144,19 @@ class WarpOps(NumpyOps):
 
 
 def _walk(states, tile):
-  """The look-back of `_look_back` on numpy: windows of 32 states ending at `tile`, read again
-  while `retry` (here: None, since the states never change), until a prefix is found."""
-  end, acc, lane = tile, np.uint32(0), np.arange(32, dtype=np.uint32)
+  """The look-back loop of `_look_back` on numpy (its `look_back_step`s): windows of 32 states
+  ending at `tile` until a prefix is found; None where it would read a window again (the states
+  here never change)."""
+  lane = np.arange(32, dtype=np.uint32)
+  end, acc = np.full(32, tile, np.uint32), np.zeros(32, np.uint32)
   while True:
-    index = end - 32 + lane.astype(np.int64)
+    index = end.astype(np.int64) - 32 + lane
     window = np.where(index < 0, np.uint32(CT.PREFIX), states[np.maximum(index, 0)]).astype(np.uint32)
-    retry, found, summed = (v[0] for v in CT.look_back_window(WarpOps, window, lane, acc))
-    if retry:
+    end, acc, found, retry = CT.look_back_step(WarpOps, window, lane, end, acc)
+    if retry[0]:
       return None
-    acc = summed
-    if found:
-      return int(acc)
-    end -= 32
+    if found[0]:
+      return int(acc[0])
 
 
 def test_look_back_finds_every_tiles_prefix():
@@ -183,17 +183,21 @@ def test_look_back_finds_every_tiles_prefix():
 
 
 def test_config_checks():
-  assert not CompressConfig(tma=True, ordered=False).block_order and CompressConfig(tma=True).block_order
+  assert not CompressConfig(tma=True, tile_groups=4, ordered=False).block_order
+  assert CompressConfig(tma=True, tile_groups=4).block_order
+  with pytest.raises(ValueError, match="shared memory"):
+    CompressConfig(tma=True)  # 16-group tiles (the single pass's default) do not fit
   with pytest.raises(ValueError, match="resident"):
     CT.compress_rows(jnp.zeros((64, 512), jnp.uint16), 64, tile_groups=4, stages=4, ctas=265, ordered=True)
   with pytest.raises(ValueError, match="tma"):
     CompressConfig(tma=True, single_pass=True, ordered=False)
   with pytest.raises(ValueError, match="tma_stages"):
-    CompressConfig(tma=True, tma_stages=9)
+    CompressConfig(tma=True, tile_groups=4, tma_stages=9)
   with pytest.raises(ValueError, match="shared memory"):
     CT.compress_rows(jnp.zeros((64, 512), jnp.uint16), 64, tile_groups=16, stages=4)
   with pytest.raises(ValueError, match="version 1"):
-    compress_pallas(_blocks(8).view(ml_dtypes.bfloat16), config=CompressConfig(tma=True), interpret=True, version=2)
+    compress_pallas(_blocks(8).view(ml_dtypes.bfloat16), config=CompressConfig(tma=True, tile_groups=4), interpret=True,
+                    version=2)
 
 
 @pytest.mark.parametrize("zero_tail,ordered", [(False, False), (True, False), (True, True)])
