@@ -234,8 +234,9 @@ def _store(ptr, offset, value):
   llvm.store(value, _gep(ptr, offset))
 
 
-def _state_ptr(states_ref, tile):
-  return mu.getelementptr(mu.memref_ptr(states_ref), [arith.extui(ir.IntegerType.get_signless(64), tile)], _i32())
+def _word_ptr(ref, index):
+  """The address of int32 word `index` (an i32) of GMEM `ref`."""
+  return mu.getelementptr(mu.memref_ptr(ref), [arith.extui(ir.IntegerType.get_signless(64), index)], _i32())
 
 
 def _look_back(states_ref, tile, lane):
@@ -250,9 +251,9 @@ def _look_back(states_ref, tile, lane):
     end, acc, _ = after.arguments
     index = arith.addi(arith.subi(end, _c(32)), lane)
     before_first = arith.cmpi(arith.CmpIPredicate.slt, index, _c(0))
-    loaded = mu.inline_ptx(PTX["load_state"], _state_ptr(states_ref, arith.maxsi(index, _c(0))), result_types=i32,
+    loaded = mu.inline_ptx(PTX["load_state"], _word_ptr(states_ref, arith.maxsi(index, _c(0))), result_types=i32,
                            has_side_effects=True)  # read again on every pass: never hoisted or merged
-    state = arith.select(before_first, _c(PREFIX - (1 << 32)), loaded)
+    state = arith.select(before_first, LaneOps.const(PREFIX), loaded)
     scf.yield_(list(look_back_step(LaneOps, state, lane, end, acc)[:3]))
   return loop.results[1]
 
@@ -323,7 +324,7 @@ def compress_tile(in_ref, staging_ref, word1_smem, zeros_smem, payload_ref, word
     return [arith.trunci(_i32(), old), arith.trunci(_i32(), arith.shrui(old, mu.c(32, i64)))]
 
   if ordered:  # post this tile's own units now; its offset comes from the look-back below
-    _when(leader, lambda: _ptx("post_state", _state_ptr(states_ref, tile), arith.ori(total, _c(AGGREGATE)),
+    _when(leader, lambda: _ptx("post_state", _word_ptr(states_ref, tile), arith.ori(total, _c(AGGREGATE)),
                                result=False))
   else:
     base, zeroed = _branch(leader, 2, reserve, lambda: [_c(0), _c(0)])
@@ -349,7 +350,7 @@ def compress_tile(in_ref, staging_ref, word1_smem, zeros_smem, payload_ref, word
   if ordered:  # warp 0 walks back to the tile's offset while the other warps start the next tile
     (base,) = _branch(_eq(warp, _c(0)), 1, lambda: [_look_back(states_ref, tile, lane)], lambda: [_c(0)])
     end = arith.addi(base, total)
-    _when(leader, lambda: _ptx("post_state", _state_ptr(states_ref, tile), arith.ori(end, _c(PREFIX - (1 << 32))),
+    _when(leader, lambda: _ptx("post_state", _word_ptr(states_ref, tile), arith.ori(end, LaneOps.const(PREFIX)),
                                result=False))
     _when(arith.andi(leader, _eq(tile, _c(num_tiles - 1))),  # the last tile's prefix: the units in use
           lambda: llvm.store(end, mu.memref_ptr(counter_ref)))
@@ -382,9 +383,9 @@ def compress_tile(in_ref, staging_ref, word1_smem, zeros_smem, payload_ref, word
     for g in range(1, T):
       is_g = _eq(lane, _c(g))
       mine_word1, mine_prefix = arith.select(is_g, word1[g], mine_word1), arith.select(is_g, prefix[g], mine_prefix)
-    index = arith.extui(ir.IntegerType.get_signless(64), arith.addi(arith.muli(tile, _c(T)), lane))
-    llvm.store(arith.addi(group_base, mine_prefix), mu.getelementptr(mu.memref_ptr(offset_out), [index], _i32()))
-    llvm.store(mine_word1, mu.getelementptr(mu.memref_ptr(word1_out), [index], _i32()))
+    index = arith.addi(arith.muli(tile, _c(T)), lane)
+    llvm.store(arith.addi(group_base, mine_prefix), _word_ptr(offset_out, index))
+    llvm.store(mine_word1, _word_ptr(word1_out, index))
 
   _when(arith.andi(_eq(warp, _c(0)), arith.cmpi(arith.CmpIPredicate.ult, lane, _c(T))), records)
 
@@ -523,9 +524,14 @@ def _kernel(bits_ref, counter_ref, states_ref, payload_ref, word1_out, offset_ou
 
 
 def smem_bytes(tile_groups: int, stages: int, zero_tail: bool = True) -> int:
-  """Shared memory a CTA's buffers take: the ring, two staging buffers and the zeros."""
+  """Shared memory a CTA's buffers take (the ring, two staging buffers and the zeros); raises
+  ValueError when it passes a Hopper CTA's."""
   T = tile_groups
-  return (stages + 2) * T * B.BLOCKS_PER_GROUP * BLOCK_BYTES + (4 * T if zero_tail else 1) * B.UNIT_BYTES
+  smem = (stages + 2) * T * B.BLOCKS_PER_GROUP * BLOCK_BYTES + (4 * T if zero_tail else 1) * B.UNIT_BYTES
+  if smem > SMEM_BYTES:
+    raise ValueError(f"tile_groups={T} with stages={stages} needs {smem} bytes of shared memory per CTA "
+                     f"(> {SMEM_BYTES}): fewer groups per tile (4 measured best with 4 stages) or fewer stages")
+  return smem
 
 
 def max_resident_ctas(smem: int, num_sms: int = NUM_SMS) -> int:
@@ -564,9 +570,6 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
     raise ValueError(f"{bits2d.shape[0]} block rows are not whole tiles of {T} groups")
   tiles = groups // T
   smem = smem_bytes(T, stages, zero_tail)
-  if smem > SMEM_BYTES:
-    raise ValueError(f"tile_groups={T} with stages={stages} needs {smem} bytes of shared memory per CTA "
-                     f"(> {SMEM_BYTES}): fewer groups per tile or fewer stages")
   sms = _num_sms()
   if ordered and ctas > max_resident_ctas(smem, sms):
     raise ValueError(f"ordered placement waits on every CTA: ctas={ctas} exceeds the "
