@@ -170,43 +170,50 @@ def group_units(ops, word1):
 
 def look_back_window(ops, states, lane, acc):
   """One step of the ordered placement's look-back (decoupled look-back, as in single-pass scans),
-  over a warp's window of predecessor states: lane l holds the state of tile `end - 32 + l` (a tile
-  before 0 reads as PREFIX | 0).
+  over a warp's window of 32K predecessor states: `states` is K lane arrays, and element j of lane l
+  holds the state of tile `end - 32K + K*l + j` (a tile before 0 reads as PREFIX | 0). K loads per
+  lane are in flight at once, so one memory round trip reads 32K states.
 
-  The nearest PREFIX (the highest lane holding one) ends the walk: the units of it and of every
+  The nearest PREFIX (the highest position holding one) ends the walk: the units of it and of every
   AGGREGATE above it, plus `acc`, are the tile's exclusive prefix. Without one, every state must be
-  an AGGREGATE: their sum joins `acc` and the walk goes on 32 tiles further back. A state not yet
+  an AGGREGATE: their sum joins `acc` and the walk goes on 32K tiles further back. A state not yet
   posted (0) above the nearest prefix means the window is read again.
 
   Returns warp-uniform (retry, found, acc'): retry 1 to read the same window again (acc' then
   meaningless); else found 1 when acc' is the prefix, 0 when acc' is the sum so far.
   """
   c = ops.const
-  flag, value = ops.shr(states, c(30)), ops.and_(states, c(STATE_VALUE))
-  lane1 = ops.add(lane, c(1))
-  top = ops.redux_max(ops.select(ops.eq(flag, c(PREFIX >> 30)), lane1, c(0)))  # highest prefix lane + 1, 0: none
-  counted = ops.ult(lane1, top)  # below the nearest prefix: not counted
-  missing = ops.redux_max(ops.select(counted, c(0), ops.select(ops.eq(flag, c(0)), c(1), c(0))))
-  total = ops.redux_add(ops.select(counted, c(0), value))
-  return missing, ops.select(ops.ult(c(0), top), c(1), c(0)), ops.add(acc, total)
+  flags = [ops.shr(s, c(30)) for s in states]
+  after = [ops.add(ops.mul(lane, c(len(states))), c(j + 1)) for j in range(len(states))]  # position + 1
+  mine = c(0)  # this lane's highest prefix position + 1, 0: none
+  for f, a in zip(flags, after):
+    mine = ops.select(ops.eq(f, c(PREFIX >> 30)), a, mine)
+  top = ops.redux_max(mine)  # the nearest prefix's position + 1 over the warp, 0: none
+  missing, total = c(0), c(0)
+  for s, f, a in zip(states, flags, after):
+    below = ops.ult(a, top)  # below the nearest prefix: not counted
+    missing = ops.or_(missing, ops.select(below, c(0), ops.select(ops.eq(f, c(0)), c(1), c(0))))
+    total = ops.add(total, ops.select(below, c(0), ops.and_(s, c(STATE_VALUE))))
+  return ops.redux_max(missing), ops.select(ops.ult(c(0), top), c(1), c(0)), ops.add(acc, ops.redux_add(total))
 
 
 def look_back_step(ops, states, lane, end, acc):
-  """One pass of the look-back loop over the window of 32 states ending at tile `end` (exclusive):
-  -> (end', acc', found', retry). Read the same window again on `retry`, the one 32 tiles further
-  back when neither `retry` nor `found'`; `acc'` is the prefix once `found'`. The loop of every
-  backend (MLIR on the GPU, jnp interpreted, numpy in the tests) runs this step."""
+  """One pass of the look-back loop over the window of 32K states (`states`: K lane arrays) ending
+  at tile `end` (exclusive): -> (end', acc', found', retry). Read the same window again on `retry`,
+  the one 32K tiles further back when neither `retry` nor `found'`; `acc'` is the prefix once
+  `found'`. The loop of every backend (MLIR on the GPU, jnp interpreted, numpy in the tests) runs
+  this step."""
   c = ops.const
   retry, found, summed = look_back_window(ops, states, lane, acc)
   again = ops.eq(retry, c(1))
-  moved = ops.select(ops.eq(ops.or_(retry, found), c(1)), end, ops.sub(end, c(32)))
+  moved = ops.select(ops.eq(ops.or_(retry, found), c(1)), end, ops.sub(end, c(32 * len(states))))
   return moved, ops.select(again, acc, summed), ops.select(again, c(0), found), retry
 
 
 class JnpWarpOps:
   """`look_back_step`'s ops on jnp uint32 [32] (a warp's lanes; `redux.sync` as a reduction over them)."""
 
-  and_, or_, shr, add, sub = jnp.bitwise_and, jnp.bitwise_or, jnp.right_shift, jnp.add, jnp.subtract
+  and_, or_, shr, add, sub, mul = jnp.bitwise_and, jnp.bitwise_or, jnp.right_shift, jnp.add, jnp.subtract, jnp.multiply
   select, eq, ult = jnp.where, jnp.equal, jnp.less
   const = staticmethod(jnp.uint32)
   redux_max = staticmethod(lambda a: jnp.broadcast_to(jnp.max(a), a.shape))
@@ -239,8 +246,9 @@ def _word_ptr(ref, index):
   return mu.getelementptr(mu.memref_ptr(ref), [arith.extui(ir.IntegerType.get_signless(64), index)], _i32())
 
 
-def _look_back(states_ref, tile, lane):
-  """Warp 0: tile `tile`'s exclusive prefix (units), walking the predecessors' states 32 at a time."""
+def _look_back(states_ref, tile, lane, per_lane):
+  """Warp 0: tile `tile`'s exclusive prefix (units), walking the predecessors' states 32 * per_lane
+  at a time (each lane's `per_lane` relaxed loads in flight together)."""
   i32 = _i32()
   loop = scf.WhileOp([i32, i32, i32], [tile, _c(0), _c(0)])  # (window end, units so far, found)
   before = loop.before.blocks.append(i32, i32, i32)
@@ -249,12 +257,15 @@ def _look_back(states_ref, tile, lane):
   after = loop.after.blocks.append(i32, i32, i32)
   with ir.InsertionPoint(after):
     end, acc, _ = after.arguments
-    index = arith.addi(arith.subi(end, _c(32)), lane)
-    before_first = arith.cmpi(arith.CmpIPredicate.slt, index, _c(0))
-    loaded = mu.inline_ptx(PTX["load_state"], _word_ptr(states_ref, arith.maxsi(index, _c(0))), result_types=i32,
-                           has_side_effects=True)  # read again on every pass: never hoisted or merged
-    state = arith.select(before_first, LaneOps.const(PREFIX), loaded)
-    scf.yield_(list(look_back_step(LaneOps, state, lane, end, acc)[:3]))
+    first = arith.addi(arith.subi(end, _c(32 * per_lane)), arith.muli(lane, _c(per_lane)))  # lane's first tile
+    states = []
+    for j in range(per_lane):
+      index = arith.addi(first, _c(j))
+      before_first = arith.cmpi(arith.CmpIPredicate.slt, index, _c(0))
+      loaded = mu.inline_ptx(PTX["load_state"], _word_ptr(states_ref, arith.maxsi(index, _c(0))), result_types=i32,
+                             has_side_effects=True)  # read again on every pass: never hoisted or merged
+      states.append(arith.select(before_first, LaneOps.const(PREFIX), loaded))
+    scf.yield_(list(look_back_step(LaneOps, states, lane, end, acc)[:3]))
   return loop.results[1]
 
 
@@ -267,7 +278,7 @@ def _vec(*words):
 
 
 def compress_tile(in_ref, staging_ref, word1_smem, zeros_smem, payload_ref, word1_out, offset_out, counter_ref,
-                  states_ref, tile, parity, *, tile_groups, num_blocks, zero_tail, ordered, num_tiles):
+                  states_ref, tile, parity, *, tile_groups, num_blocks, zero_tail, ordered, num_tiles, look_back_states):
   """Compress tile `tile` (its rows in `in_ref`, uint16 [8T, 256]) into `staging_ref[parity]`,
   take its offset, store it with one bulk copy (and, with `zero_tail`, zeros over its slack at the
   payload's end), and write its group records.
@@ -348,7 +359,7 @@ def compress_tile(in_ref, staging_ref, word1_smem, zeros_smem, payload_ref, word
     _when(present, put)
   mu.commit_shared()  # the staging stores reach the async proxy; warpgroup barrier
   if ordered:  # warp 0 walks back to the tile's offset while the other warps start the next tile
-    (base,) = _branch(_eq(warp, _c(0)), 1, lambda: [_look_back(states_ref, tile, lane)], lambda: [_c(0)])
+    (base,) = _branch(_eq(warp, _c(0)), 1, lambda: [_look_back(states_ref, tile, lane, look_back_states)], lambda: [_c(0)])
     end = arith.addi(base, total)
     _when(leader, lambda: _ptx("post_state", _word_ptr(states_ref, tile), arith.ori(end, LaneOps.const(PREFIX)),
                                result=False))
@@ -411,15 +422,17 @@ def drain_stores():
 # ---------------------------------------------------------------------------------------------
 # Interpreted tile (CPU): the same placement, the bytes from the format's jnp encoder.
 
-def _look_back_interpret(states_ref, tile):
+def _look_back_interpret(states_ref, tile, per_lane):
   """`_look_back` in jnp: the same loop of `look_back_step`s over the states as they stand."""
   lane = jnp.arange(32, dtype=jnp.uint32)
 
   def body(carry):
     end, acc, _ = carry
-    index = end.astype(jnp.int32) - 32 + lane.astype(jnp.int32)
     states = lax.bitcast_convert_type(states_ref[...], jnp.uint32)
-    window = jnp.where(index < 0, jnp.uint32(PREFIX), states[jnp.maximum(index, 0)])
+    window = []
+    for j in range(per_lane):
+      index = end.astype(jnp.int32) - 32 * per_lane + per_lane * lane.astype(jnp.int32) + j
+      window.append(jnp.where(index < 0, jnp.uint32(PREFIX), states[jnp.maximum(index, 0)]))
     end, acc, found, _ = look_back_step(JnpWarpOps, window, lane, jnp.broadcast_to(end, (32,)),
                                         jnp.broadcast_to(acc, (32,)))
     return end[0], acc[0], found[0]
@@ -429,7 +442,7 @@ def _look_back_interpret(states_ref, tile):
 
 
 def _tile_interpret(in_ref, payload_ref, word1_out, offset_out, counter_ref, states_ref, tile, *, tile_groups,
-                    num_blocks, zero_tail, ordered, num_tiles):
+                    num_blocks, zero_tail, ordered, num_tiles, look_back_states):
   """What `compress_tile` does to GMEM, in jnp: tiles run in order (one CTA), so the counters are a
   plain read-modify-write (ordered: the tile posts its state, walks back with the GPU's loop steps
   and posts its prefix), and the tile's units are stored as a fixed 16T-unit window whose slack
@@ -450,7 +463,7 @@ def _tile_interpret(in_ref, payload_ref, word1_out, offset_out, counter_ref, sta
   window = GROUP_UNITS * T
   if ordered:
     states_ref[pl.ds(tile, 1)] = jnp.full((1,), AGGREGATE, jnp.int32) | ends[-1]
-    base = _look_back_interpret(states_ref, tile)
+    base = _look_back_interpret(states_ref, tile, look_back_states)
     states_ref[pl.ds(tile, 1)] = lax.bitcast_convert_type(jnp.full((1,), PREFIX, jnp.uint32) | (base + ends[-1]).astype(
         jnp.uint32), jnp.int32)
     counter_ref[0] = jnp.where(tile == num_tiles - 1, base + ends[-1], counter_ref[0])
@@ -478,7 +491,8 @@ def _tile_interpret(in_ref, payload_ref, word1_out, offset_out, counter_ref, sta
 # The kernel.
 
 def _kernel(bits_ref, counter_ref, states_ref, payload_ref, word1_out, offset_out, in_smem, staging, word1_smem,
-            zeros_smem, bars, *, tiles, ctas, tile_groups, stages, num_blocks, zero_tail, ordered, interpret):
+            zeros_smem, bars, *, tiles, ctas, tile_groups, stages, num_blocks, zero_tail, ordered, look_back_states,
+            interpret):
   """bits_ref: GMEM uint16 [tiles * 8T, 256] (block rows); counter_ref: GMEM int32 [2], zeros in,
   (units in use, units zeroed) out (a mutable ref); states_ref: GMEM int32 [tiles] (`ordered`; else
   [1], unused), zeros in; payload_ref: GMEM uint8 [tiles * 16T, 256];
@@ -508,11 +522,12 @@ def _kernel(bits_ref, counter_ref, states_ref, payload_ref, word1_out, offset_ou
     if interpret:
       _tile_interpret(in_smem.at[stage], payload_ref, word1_out, offset_out, counter_ref, states_ref, tile,
                       tile_groups=tile_groups, num_blocks=num_blocks, zero_tail=zero_tail, ordered=ordered,
-                      num_tiles=tiles)
+                      num_tiles=tiles, look_back_states=look_back_states)
     else:
       plgpu.inline_mgpu(arg_types=(ref,) * 9 + (splat, splat))(
           lambda ctx, *args: compress_tile(*args, tile_groups=tile_groups, num_blocks=num_blocks,
-                                           zero_tail=zero_tail, ordered=ordered, num_tiles=tiles))(
+                                           zero_tail=zero_tail, ordered=ordered, num_tiles=tiles,
+                                           look_back_states=look_back_states))(
               in_smem.at[stage], staging, word1_smem, zeros_smem, payload_ref, word1_out, offset_out, counter_ref,
               states_ref, tile, lax.rem(i, 2))
     pl.when(i + stages < my_tiles)(functools.partial(load, i + stages))  # every thread is past the stage's reads
@@ -542,6 +557,13 @@ def max_resident_ctas(smem: int, num_sms: int = NUM_SMS) -> int:
   return num_sms * min(2, (228 * 1024) // (smem + 4096))
 
 
+def covering_states(ctas: int) -> int:
+  """States per lane for one look-back pass to reach back over `ctas` tiles (at most 16): a CTA's
+  previous tile, `ctas` tiles back, has posted its prefix before the CTA's next tile walks back, so
+  with every predecessor posted one pass ends the walk."""
+  return min(16, 1 << max(0, -(-ctas // 32) - 1).bit_length())
+
+
 def _num_sms() -> int:
   """The GPU's SM count (132 on the H100 SXM and the H200; also off-GPU, for lowering)."""
   device = jax.devices()[0]
@@ -551,7 +573,7 @@ def _num_sms() -> int:
 
 
 def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int = 4, ctas: int = 0,
-                  zero_tail: bool = True, ordered: bool = False, interpret: bool = False):
+                  zero_tail: bool = True, ordered: bool = False, look_back_states: int = 0, interpret: bool = False):
   """bits2d uint16 [N, 512] (N a multiple of 4 * tile_groups; rows >= num_blocks are padding) ->
   (payload uint8 [N // 4 * 16, 256], word1 int32 [N // 4], group offsets int32 [N // 4], units in use int32 [1]).
 
@@ -561,6 +583,8 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
   every CTA must be resident at once (it waits on the others): at most `max_resident_ctas`.
   Bytes past the units in use are zero with `zero_tail`, else unspecified. ctas: persistent CTAs
   (0: two per SM unordered, one per SM ordered); interpreted, always one, so tiles run in order.
+  look_back_states: `ordered`: states each lane of the walking warp reads per pass (a power of
+  two; 0: `covering_states(ctas)`).
   """
   T = tile_groups
   groups = bits2d.shape[0] // B.BLOCKS_PER_GROUP
@@ -575,12 +599,15 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
     raise ValueError(f"ordered placement waits on every CTA: ctas={ctas} exceeds the "
                      f"{max_resident_ctas(smem, sms)} surely resident at once")
   ctas = 1 if interpret else min(ctas or (1 if ordered else 2) * sms, tiles)
+  if look_back_states < 0 or look_back_states & (look_back_states - 1):
+    raise ValueError(f"look_back_states={look_back_states} must be a power of two (or 0: as many as the CTAs need)")
+  look_back_states = look_back_states or covering_states(ctas)
   rows = 8 * T
   counter = jax.new_ref(jnp.zeros((2,), jnp.int32))
   states = jax.new_ref(jnp.zeros((tiles if ordered else 1,), jnp.int32))
   payload, word1, offsets = plgpu.kernel(
       functools.partial(_kernel, tiles=tiles, ctas=ctas, tile_groups=T, stages=stages, num_blocks=num_blocks,
-                        zero_tail=zero_tail, ordered=ordered, interpret=interpret),
+                        zero_tail=zero_tail, ordered=ordered, look_back_states=look_back_states, interpret=interpret),
       out_type=(
           jax.ShapeDtypeStruct((groups * GROUP_UNITS, B.UNIT_BYTES), jnp.uint8),
           jax.ShapeDtypeStruct((groups,), jnp.int32),

@@ -115,12 +115,14 @@ def test_the_lane_check_can_fail(monkeypatch):
     check_lanes(bits)
 
 
-@pytest.mark.parametrize("n,tile_groups,stages,zero_tail,ordered", [
-    (53, 4, 2, True, False), (64, 2, 3, False, False), (37, 1, 1, True, False), (130, 8, 2, True, False),
-    (53, 4, 2, True, True), (37, 1, 1, False, True)])
-def test_interpreted_kernel_is_a_valid_stream_of_the_reference_groups(n, tile_groups, stages, zero_tail, ordered):
+@pytest.mark.parametrize("n,tile_groups,stages,zero_tail,ordered,per_lane", [
+    (53, 4, 2, True, False, 0), (64, 2, 3, False, False, 0), (37, 1, 1, True, False, 0), (130, 8, 2, True, False, 0),
+    (53, 4, 2, True, True, 0), (37, 1, 1, False, True, 4)])
+def test_interpreted_kernel_is_a_valid_stream_of_the_reference_groups(n, tile_groups, stages, zero_tail, ordered,
+                                                                      per_lane):
   x = _blocks(n, seed=n).view(ml_dtypes.bfloat16)
-  cfg = CompressConfig(tma=True, tile_groups=tile_groups, tma_stages=stages, zero_tail=zero_tail, ordered=ordered)
+  cfg = CompressConfig(tma=True, tile_groups=tile_groups, tma_stages=stages, zero_tail=zero_tail, ordered=ordered,
+                       look_back_states=per_lane)
   got, want = compress_pallas(x, config=cfg, interpret=True), zf.compress(x)
   if ordered:  # block order: the reference's offsets as written
     np.testing.assert_array_equal(np.asarray(got.group_meta), np.asarray(want.group_meta))
@@ -143,15 +145,17 @@ class WarpOps(NumpyOps):
   redux_add = staticmethod(lambda a: np.broadcast_to(a.sum(axis=-1, keepdims=True, dtype=np.uint32), a.shape))
 
 
-def _walk(states, tile):
-  """The look-back loop of `_look_back` on numpy (its `look_back_step`s): windows of 32 states
-  ending at `tile` until a prefix is found; None where it would read a window again (the states
-  here never change)."""
+def _walk(states, tile, per_lane=1):
+  """The look-back loop of `_look_back` on numpy (its `look_back_step`s): windows of 32 * per_lane
+  states ending at `tile` until a prefix is found; None where it would read a window again (the
+  states here never change)."""
   lane = np.arange(32, dtype=np.uint32)
   end, acc = np.full(32, tile, np.uint32), np.zeros(32, np.uint32)
   while True:
-    index = end.astype(np.int64) - 32 + lane
-    window = np.where(index < 0, np.uint32(CT.PREFIX), states[np.maximum(index, 0)]).astype(np.uint32)
+    window = []
+    for j in range(per_lane):
+      index = end.astype(np.int64) - 32 * per_lane + per_lane * lane + j
+      window.append(np.where(index < 0, np.uint32(CT.PREFIX), states[np.maximum(index, 0)]).astype(np.uint32))
     end, acc, found, retry = CT.look_back_step(WarpOps, window, lane, end, acc)
     if retry[0]:
       return None
@@ -159,7 +163,8 @@ def _walk(states, tile):
       return int(acc[0])
 
 
-def test_look_back_finds_every_tiles_prefix():
+@pytest.mark.parametrize("per_lane", [1, 4])
+def test_look_back_finds_every_tiles_prefix(per_lane):
   rng = np.random.default_rng(0)
   units = rng.integers(0, 65, 300).astype(np.uint32)  # 0..64: a tile of 4 groups, absent blocks included
   prefix = np.concatenate([[0], np.cumsum(units)]).astype(np.uint32)
@@ -168,18 +173,18 @@ def test_look_back_finds_every_tiles_prefix():
     inclusive = rng.random(300) < [0.0, 0.05, 0.5, 1.0][trial % 4]
     states = np.where(inclusive, CT.PREFIX | prefix[1:], CT.AGGREGATE | units).astype(np.uint32)
     for tile in [0, 1, 31, 32, 33, 64, 150, 299]:
-      assert _walk(states, tile) == prefix[tile], (trial, tile)
+      assert _walk(states, tile, per_lane) == prefix[tile], (trial, tile)
   # An unposted state above the nearest prefix makes the window be read again; below it, it does not matter.
   states = (CT.AGGREGATE | units).astype(np.uint32)
   states[100] = CT.PREFIX | prefix[101]
   states[110] = 0
-  assert _walk(states, 120) is None
+  assert _walk(states, 120, per_lane) is None
   states[105] = 0
   states[110] = CT.AGGREGATE | units[110]
   states[99] = 0
-  assert _walk(states, 120) is None  # 105 is above the prefix at 100
+  assert _walk(states, 120, per_lane) is None  # 105 is above the prefix at 100
   states[105] = CT.AGGREGATE | units[105]
-  assert _walk(states, 120) == prefix[120]  # 99 lies below the prefix at 100
+  assert _walk(states, 120, per_lane) == prefix[120]  # 99 lies below the prefix at 100
 
 
 def test_config_checks():
