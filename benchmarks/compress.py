@@ -220,17 +220,14 @@ def variant_configs() -> dict[str, CompressConfig]:
       "tma_t2_s6_c396": CompressConfig(tma=True, tile_groups=2, tma_stages=6, persistent_programs=396, ordered=False),
       # The same kernel in block order (decoupled look-back over per-tile states: the reference's
       # bytes); every CTA must be resident at once, so at most 2 per SM (1 for t8). The walking
-      # warp reads 32 * look_back_states states per pass (default: enough for every CTA, 8 at 132
-      # and 16 at 264); `_lb1`: 32 per pass, as measured first (H100 2026-12-07: 1123-1354 us).
+      # warp reads 32 * look_back_states states per pass (default 1); `_lb8`: 8 per lane.
       "tma_ordered_t8_s2_c132": CompressConfig(tma=True, tile_groups=8, tma_stages=2, persistent_programs=132),
       "tma_ordered_t4_s4_c132": CompressConfig(tma=True, tile_groups=4, tma_stages=4, persistent_programs=132),
       "tma_ordered_t4_s4_c264": CompressConfig(tma=True, tile_groups=4, tma_stages=4, persistent_programs=264),
       "tma_ordered_t4_s4_c264_nozero": CompressConfig(tma=True, tile_groups=4, tma_stages=4, persistent_programs=264,
                                                       zero_tail=False),
-      "tma_ordered_t8_s2_c132_lb1": CompressConfig(tma=True, tile_groups=8, tma_stages=2, persistent_programs=132,
-                                                   look_back_states=1),
-      "tma_ordered_t4_s4_c264_lb1": CompressConfig(tma=True, tile_groups=4, tma_stages=4, persistent_programs=264,
-                                                   look_back_states=1),
+      "tma_ordered_t8_s2_c132_lb8": CompressConfig(tma=True, tile_groups=8, tma_stages=2, persistent_programs=132,
+                                                   look_back_states=8),
       # Few CTAs: on the small inputs every CTA then walks back over tiles of its own and the others'.
       "tma_ordered_t1_s2_c4": CompressConfig(tma=True, tile_groups=1, tma_stages=2, persistent_programs=4),
   }

@@ -110,8 +110,7 @@ class CompressConfig:
       states per thread cut the probes without the cross-warp reductions of more warps; measured
       (H100, 2026-12-06, fourth session) 8 states per thread were slower, 1449 vs 995 us per GiB.
       0 (default): 1 there. `tma` ordered: states each lane of the walking warp reads per pass (a
-      window of 32 * look_back_states tiles); 0: enough to reach back over every CTA in one pass
-      (`compress_tma.covering_states`: 8 for 132 CTAs).
+      window of 32 * look_back_states tiles; 0: 1, measured fastest on the H100).
     ordered: single pass: True places groups in block order (the reference's bytes; the look-back
       above). False places each tile where one atomic fetch-and-add on a unit counter says, in
       the order tiles get there: no look-back, so no tile waits on another. The format allows it

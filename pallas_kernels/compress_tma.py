@@ -171,8 +171,7 @@ def group_units(ops, word1):
 def look_back_window(ops, states, lane, acc):
   """One step of the ordered placement's look-back (decoupled look-back, as in single-pass scans),
   over a warp's window of 32K predecessor states: `states` is K lane arrays, and element j of lane l
-  holds the state of tile `end - 32K + K*l + j` (a tile before 0 reads as PREFIX | 0). K loads per
-  lane are in flight at once, so one memory round trip reads 32K states.
+  holds the state of tile `end - 32K + K*l + j` (a tile before 0 reads as PREFIX | 0).
 
   The nearest PREFIX (the highest position holding one) ends the walk: the units of it and of every
   AGGREGATE above it, plus `acc`, are the tile's exclusive prefix. Without one, every state must be
@@ -557,13 +556,6 @@ def max_resident_ctas(smem: int, num_sms: int = NUM_SMS) -> int:
   return num_sms * min(2, (228 * 1024) // (smem + 4096))
 
 
-def covering_states(ctas: int) -> int:
-  """States per lane for one look-back pass to reach back over `ctas` tiles (at most 16): a CTA's
-  previous tile, `ctas` tiles back, has posted its prefix before the CTA's next tile walks back, so
-  with every predecessor posted one pass ends the walk."""
-  return min(16, 1 << max(0, -(-ctas // 32) - 1).bit_length())
-
-
 def _num_sms() -> int:
   """The GPU's SM count (132 on the H100 SXM and the H200; also off-GPU, for lowering)."""
   device = jax.devices()[0]
@@ -584,7 +576,8 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
   Bytes past the units in use are zero with `zero_tail`, else unspecified. ctas: persistent CTAs
   (0: two per SM unordered, one per SM ordered); interpreted, always one, so tiles run in order.
   look_back_states: `ordered`: states each lane of the walking warp reads per pass (a power of
-  two; 0: `covering_states(ctas)`).
+  two; 0: 1). More per lane were slower on the H100 (2026-12-07: 8 per lane 1916 against 1124 us
+  per GiB): each lane's relaxed loads ran one after another, not together.
   """
   T = tile_groups
   groups = bits2d.shape[0] // B.BLOCKS_PER_GROUP
@@ -600,8 +593,8 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
                      f"{max_resident_ctas(smem, sms)} surely resident at once")
   ctas = 1 if interpret else min(ctas or (1 if ordered else 2) * sms, tiles)
   if look_back_states < 0 or look_back_states & (look_back_states - 1):
-    raise ValueError(f"look_back_states={look_back_states} must be a power of two (or 0: as many as the CTAs need)")
-  look_back_states = look_back_states or covering_states(ctas)
+    raise ValueError(f"look_back_states={look_back_states} must be a power of two (or 0: one)")
+  look_back_states = look_back_states or 1
   rows = 8 * T
   counter = jax.new_ref(jnp.zeros((2,), jnp.int32))
   states = jax.new_ref(jnp.zeros((tiles if ordered else 1,), jnp.int32))
