@@ -81,25 +81,29 @@ def flashinfer_paged(q, k, v, scale: float, layout: str, seed: int = 0):
   return (lambda: wrapper.run(qt, (k_store, v_store))), (k_store, v_store)
 
 
-def run_shape(key, cfg, batch: int, context: int) -> list[dict]:
-  import torch
-
-  p = problem(key, cfg, batch, context)
-  q, k, v, comp, plain, scale = (p[n] for n in ("q", "k", "v", "comp", "plain", "scale"))
-  ref = np.asarray(zf.paged_decode_attention(q, plain, impl="reference"), np.float32)
-  base = dict(model=cfg.name, batch=batch, context=context)
+def time_ours(p, ref, base) -> list[dict]:
+  """cuDNN and our kernels on problem `p` (CUPTI through the Mosaic GPU profiler)."""
   rows = []
   ours = jax.jit(lambda q, c: zf.paged_decode_attention(q, c, impl="pallas"))
+  q, k, v, scale = p["q"], p["k"], p["v"], p["scale"]
   for kernel, fn, args, nbytes in (
       ("cudnn_dense", dense_attention("cudnn", scale), (q, k, v), p["bf16_bytes"]),
-      ("zipfusion_uncompressed", ours, (q, plain), p["bf16_bytes"]),
-      ("zipfusion_compressed", ours, (q, comp), p["comp_bytes"]),
+      ("zipfusion_uncompressed", ours, (q, p["plain"]), p["bf16_bytes"]),
+      ("zipfusion_compressed", ours, (q, p["comp"]), p["comp_bytes"]),
       ("zipfusion_compressed_v2", ours, (q, p["comp2"]), p["comp2_bytes"])):  # format version 2
     t, _ = cupti_us(fn, *args)
     err = float(np.max(np.abs(np.asarray(fn(*args), np.float32) - ref)))
     rows.append(dict(base, kernel=kernel, time_us=t, bytes_read=int(nbytes), max_abs_err=err))
+  return rows
+
+
+def time_flashinfer(p, ref, base) -> list[dict]:
+  """FlashInfer in both page layouts on problem `p` (the torch profiler's CUPTI)."""
+  import torch
+
+  rows = []
   for layout in ("NHD", "HND"):
-    run, pages = flashinfer_paged(q, k, v, scale, layout)
+    run, pages = flashinfer_paged(p["q"], p["k"], p["v"], p["scale"], layout)
     out = run()
     err = float((out.float().cpu() - torch.from_numpy(ref)).abs().max())
     rows.append(dict(base, kernel="flashinfer_paged", layout=layout, time_us=torch_kernel_us(run),
@@ -109,20 +113,36 @@ def run_shape(key, cfg, batch: int, context: int) -> list[dict]:
   return rows
 
 
+def _print(rows):
+  for r in rows:
+    print(f"{r['kernel']:24s} {r.get('layout', ''):3s} B={r['batch']:3d} S={r['context']:6d} {r['time_us']:8.1f} us "
+          f"{r['bytes_read'] / r['time_us'] / 1e6:5.2f} TB/s  err {r['max_abs_err']:.3g}", flush=True)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--shapes", default="32x2048,8x8192,64x4096,1x32768,128x1024")
   ap.add_argument("--out", type=pathlib.Path, default=None)
   a = ap.parse_args(argv)
   cfg = get_config("llama3.1-8b")
+  # Every JAX timing first: once the torch profiler has subscribed to CUPTI, the Mosaic GPU
+  # profiler cannot (one subscriber per process).
+  problems = []
   rows = []
   for i, shape in enumerate(a.shapes.split(",")):
     batch, context = map(int, shape.split("x"))
-    new = run_shape(jax.random.key(100 + i), cfg, batch, context)
+    p = problem(jax.random.key(100 + i), cfg, batch, context)
+    ref = np.asarray(zf.paged_decode_attention(p["q"], p["plain"], impl="reference"), np.float32)
+    base = dict(model=cfg.name, batch=batch, context=context)
+    problems.append((p, ref, base))
+    new = time_ours(p, ref, base)
+    _print(new)
     rows += new
-    for r in new:
-      print(f"{r['kernel']:24s} {r.get('layout', ''):3s} B={batch:3d} S={context:6d} {r['time_us']:8.1f} us "
-            f"{r['bytes_read'] / r['time_us'] / 1e6:5.2f} TB/s  err {r['max_abs_err']:.3g}", flush=True)
+    save_result(a.out, rows)
+  for p, ref, base in problems:
+    new = time_flashinfer(p, ref, base)
+    _print(new)
+    rows += new
     save_result(a.out, rows)
   return save_result(a.out, rows)
 
