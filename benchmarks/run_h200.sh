@@ -15,6 +15,9 @@ mkdir -p "$out"
 # figure decides issue 3 (2.0 TB/s = 537 us). ~100 s. Then the attention table at the two target
 # shapes (~150 s).
 timeout -s KILL 110 python3 -m benchmarks.compress --variants tma_t4_s4_c264_nozero,tma_t4_s4_c264,tma_ordered_t8_s2_c132 --out "$out/compress_h200_tma.json" 2>&1 | grep -vE "Warning|^\s*$|compiling|compiled"
+# FlashInfer next to ours and cuDNN at the two target shapes (~60 s once compiled; the call needs
+# carry [".carry"]: benchmarks/run_flashinfer.sh). On the H100 (2026-12-07): 1.25-1.27x over it.
+OUT="$out" timeout -s KILL 200 bash benchmarks/run_flashinfer.sh --shapes 32x2048,8x8192 --out "$out/attention_flashinfer_h200.json" 2>&1 | grep -vE "INFO|warn"
 timeout -s KILL 30 python3 -m benchmarks.store_pattern --out "$out/store_pattern_h200.json" 2>&1 | grep -E "sectors"
 timeout -s KILL 200 python3 -m benchmarks.compress --variants single_pass_unordered_tile1_w1_p2112,single_pass_unordered_tile1_w1_p2112_pairs_tc,single_pass_unordered_tile1_w1_p4224_pairs_tc --out "$out/compress_h200_words.json" 2>&1 | grep -vE "Warning|^\s*$"
 # Format 1 at 3 stages with v_after_qk (2 CTAs per SM still fit: ~106 KB of SMEM, 128 registers on the
