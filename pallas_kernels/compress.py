@@ -109,8 +109,8 @@ class CompressConfig:
       state per thread), holding one of the SM's program slots and no loads in flight. More
       states per thread cut the probes without the cross-warp reductions of more warps; measured
       (H100, 2026-12-06, fourth session) 8 states per thread were slower, 1449 vs 995 us per GiB.
-      0 (default): 1 there. `tma` ordered: states each lane of the walking warp reads per pass (a
-      window of 32 * look_back_states tiles; 0: 1, measured fastest on the H100).
+      `tma` ordered: states each lane of the walking warp reads per pass (a window of
+      32 * look_back_states tiles; 1, the default, measured fastest on the H100).
     ordered: single pass: True places groups in block order (the reference's bytes; the look-back
       above). False places each tile where one atomic fetch-and-add on a unit counter says, in
       the order tiles get there: no look-back, so no tile waits on another. The format allows it
@@ -172,7 +172,7 @@ class CompressConfig:
   num_warps: int = 4
   max_probes: int = 0
   scalar_look_back: bool = False
-  look_back_states: int = 0
+  look_back_states: int = 1
   ordered: bool = True
   zero_tail: bool = True
   persistent_programs: int = 0
@@ -192,8 +192,8 @@ class CompressConfig:
   def __post_init__(self):
     for name in ("plan_blocks", "tile_groups", "look_back_states"):
       v = getattr(self, name)
-      if (v <= 0 and not (name == "look_back_states" and v == 0)) or v & (v - 1):
-        raise ValueError(f"{name}={v} must be a power of two" + (" (or 0)" if name == "look_back_states" else ""))
+      if v <= 0 or v & (v - 1):
+        raise ValueError(f"{name}={v} must be a power of two")
     if self.num_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
     if not self.ordered and not (self.single_pass or self.tma):
@@ -739,7 +739,7 @@ def _single_pass_call(bits2d, num_blocks: int, config, interpret, version: int):
   tiles = groups // config.tile_groups
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   params = pltr.CompilerParams(num_warps=config.num_warps)
-  window = 1 if config.scalar_look_back else look_back_window(config.num_warps, max(1, config.look_back_states))
+  window = 1 if config.scalar_look_back else look_back_window(config.num_warps, config.look_back_states)
   per_block = jax.ShapeDtypeStruct((groups * B.BLOCKS_PER_GROUP,), jnp.int32)
   return pl.pallas_call(
       functools.partial(_single_pass_kernel, num_blocks=num_blocks, tile_groups=config.tile_groups, window=window,

@@ -25,7 +25,7 @@ One CTA is one warpgroup, persistent over tiles `cta, cta + C, ...` of `T` group
     before its staging stores so the round trip runs under them;
   - ordered (block order, the reference's bytes): thread 0 posts the tile's units as its state
     (AGGREGATE) before the staging stores; after them, warp 0 walks back over the predecessors'
-    states 32 at a time to the nearest inclusive PREFIX (decoupled look-back, `look_back_window`)
+    states 32 * look_back_states at a time to the nearest inclusive PREFIX (decoupled look-back, `look_back_window`)
     while warps 1-3 start the next tile, then posts the tile's own PREFIX. A tile waits on
     others, so every CTA must be resident at once (`max_resident_ctas`);
 * after a second barrier thread 0 stores the whole tile with one bulk copy of exactly its units
@@ -565,7 +565,7 @@ def _num_sms() -> int:
 
 
 def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int = 4, ctas: int = 0,
-                  zero_tail: bool = True, ordered: bool = False, look_back_states: int = 0, interpret: bool = False):
+                  zero_tail: bool = True, ordered: bool = False, look_back_states: int = 1, interpret: bool = False):
   """bits2d uint16 [N, 512] (N a multiple of 4 * tile_groups; rows >= num_blocks are padding) ->
   (payload uint8 [N // 4 * 16, 256], word1 int32 [N // 4], group offsets int32 [N // 4], units in use int32 [1]).
 
@@ -576,7 +576,7 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
   Bytes past the units in use are zero with `zero_tail`, else unspecified. ctas: persistent CTAs
   (0: two per SM unordered, one per SM ordered); interpreted, always one, so tiles run in order.
   look_back_states: `ordered`: states each lane of the walking warp reads per pass (a power of
-  two; 0: 1). More per lane were slower on the H100 (2026-12-07: 8 per lane 1916 against 1124 us
+  two). More than one per lane were slower on the H100 (2026-12-07: 8 per lane 1916 against 1124 us
   per GiB): each lane's relaxed loads ran one after another, not together.
   """
   T = tile_groups
@@ -592,9 +592,8 @@ def compress_rows(bits2d, num_blocks: int, *, tile_groups: int = 4, stages: int 
     raise ValueError(f"ordered placement waits on every CTA: ctas={ctas} exceeds the "
                      f"{max_resident_ctas(smem, sms)} surely resident at once")
   ctas = 1 if interpret else min(ctas or (1 if ordered else 2) * sms, tiles)
-  if look_back_states < 0 or look_back_states & (look_back_states - 1):
-    raise ValueError(f"look_back_states={look_back_states} must be a power of two (or 0: one)")
-  look_back_states = look_back_states or 1
+  if look_back_states <= 0 or look_back_states & (look_back_states - 1):
+    raise ValueError(f"look_back_states={look_back_states} must be a power of two")
   rows = 8 * T
   counter = jax.new_ref(jnp.zeros((2,), jnp.int32))
   states = jax.new_ref(jnp.zeros((tiles if ordered else 1,), jnp.int32))

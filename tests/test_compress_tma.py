@@ -116,8 +116,8 @@ def test_the_lane_check_can_fail(monkeypatch):
 
 
 @pytest.mark.parametrize("n,tile_groups,stages,zero_tail,ordered,per_lane", [
-    (53, 4, 2, True, False, 0), (64, 2, 3, False, False, 0), (37, 1, 1, True, False, 0), (130, 8, 2, True, False, 0),
-    (53, 4, 2, True, True, 0), (37, 1, 1, False, True, 4)])
+    (53, 4, 2, True, False, 1), (64, 2, 3, False, False, 1), (37, 1, 1, True, False, 1), (130, 8, 2, True, False, 1),
+    (53, 4, 2, True, True, 1), (37, 1, 1, False, True, 4)])
 def test_interpreted_kernel_is_a_valid_stream_of_the_reference_groups(n, tile_groups, stages, zero_tail, ordered,
                                                                       per_lane):
   x = _blocks(n, seed=n).view(ml_dtypes.bfloat16)
