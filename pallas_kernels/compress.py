@@ -45,8 +45,10 @@ TMA and leave as one bulk copy of exactly their units (size in a register), with
 r+w, 98% of the copy rate; 737 us with the tail zeroed by a second kernel, 1.13x the best Triton
 kernel), 2026-12-07. It now zeroes the tail itself (each tile reserves its slack at the payload's
 end with the same fetch-and-add and bulk-stores zeros there), so with the tail it moves the bytes
-of one copy: read 1 GiB, write 1 GiB. With `ordered=True` (not yet measured) the same kernel places
-tiles in block order by a decoupled look-back, so its bytes are the reference's.
+of one copy: read 1 GiB, write 1 GiB (H100, later that day: 741 us, 1.04x the copy; 655 us with the
+tail unspecified). With `ordered=True` the same kernel places tiles in block order by a decoupled
+look-back, so its bytes are the reference's: correct on the H100, but 1.55x slower there (1124 us
+at 8-group tiles), the walk and not HBM bounding it.
 
 Backend: Pallas Triton for the ordered kernels and version 2 (their placement needs scalar address
 arithmetic and strided/masked stores, which the Triton lowering expresses directly), Mosaic GPU
