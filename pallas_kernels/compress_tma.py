@@ -247,7 +247,8 @@ def _word_ptr(ref, index):
 
 def _look_back(states_ref, tile, lane, per_lane):
   """Warp 0: tile `tile`'s exclusive prefix (units), walking the predecessors' states 32 * per_lane
-  at a time (each lane's `per_lane` relaxed loads in flight together)."""
+  at a time (one relaxed load per state; on the H100 a lane's loads ran one after another, so
+  per_lane > 1 was slower: `compress_rows`)."""
   i32 = _i32()
   loop = scf.WhileOp([i32, i32, i32], [tile, _c(0), _c(0)])  # (window end, units so far, found)
   before = loop.before.blocks.append(i32, i32, i32)
