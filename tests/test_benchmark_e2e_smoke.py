@@ -191,3 +191,32 @@ def test_a_system_out_of_device_memory_gets_an_error_row_and_the_run_goes_on(mon
   from benchmarks import plot_results  # the plots skip the error row
 
   assert [r["system"] for r in plot_results._measured({"rows": rows})] == ["zipfusion"]
+
+
+def _row(system, batch, tok_s, step_ms, attention_ms, model="m", context=8192, budget=48.0, max_batch=True):
+  return {"model": model, "system": system, "context": context, "kv_budget_gib": budget, "batch": batch,
+          "is_max_batch": max_batch, "decode_tokens_per_s": tok_s, "step_ms": step_ms, "attention_ms": attention_ms}
+
+
+def test_e2e_ratio_parts_rebuild_the_ratio():
+  from benchmarks import e2e_ratio
+
+  rows = [_row("zipfusion", 59, 59 / 25.83e-3, 25.83, 12.43), _row("uncompressed", 46, 46 / 24.30e-3, 24.30, 11.98),
+          _row("zipfusion", 9, 1.0, 2.0, 1.0, max_batch=False),  # not a largest batch: ignored
+          _row("zipfusion", 5, 1.0, 2.0, 1.0, context=2048)]  # no baseline at this setting: ignored
+  (p,) = e2e_ratio.decompose(rows)
+  assert (p["model"], p["context"], p["batch"], p["baseline_batch"]) == ("m", 8192, 59, 46)
+  assert p["ratio"] == pytest.approx(p["ratio_from_parts"], rel=1e-12)  # the identity the table rests on
+  assert p["batch_ratio"] == pytest.approx(59 / 46) and p["bound"] == max(p["batch_ratio"], p["attention_speedup"])
+  assert p["ratio"] < p["bound"]  # other time grew (g > 1): below both r and s here
+  assert "| m, 8K, 48.0 GiB | 59 / 46 |" in e2e_ratio.markdown([p])
+  # With the rest of the step unchanged the ratio lies between s and r.
+  (q,) = e2e_ratio.decompose([_row("zipfusion", 130, 130 / 30e-3, 30.0, 20.0), _row("uncompressed", 100, 100 / 25e-3, 25.0, 15.0)])
+  assert q["other_growth"] == pytest.approx(1.0) and min(q["batch_ratio"], q["attention_speedup"]) <= q["ratio"] <= q["bound"]
+
+
+def test_e2e_ratio_rejects_inconsistent_rows():
+  from benchmarks import e2e_ratio
+
+  with pytest.raises(ValueError, match="attention_ms < step_ms"):
+    e2e_ratio.decompose([_row("zipfusion", 59, 1.0, 10.0, 12.0), _row("uncompressed", 46, 1.0, 24.3, 11.98)])
