@@ -54,6 +54,8 @@ LOG2E = 1.4426950408889634
 REDUCE_SCRATCH = 2 * 4 * 32 * 2  # f32 words: two [8]-column reductions (4 warps x 32 lanes x 2 values) at once
 CTAS_PER_SM = 2  # the split heuristic's one-consumer target: two CTAs fit while ptxas needs <= 128 registers
 NUM_SMS = 132
+MIN_ITEM_PAGES = 4 * STEP_PAGES  # never fewer than 4 steps (16 pages) per split or work item
+SCHEDULES = ("grid", "balanced")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +100,17 @@ class DecodeConfig:
       it (format 2 `v_after_qk` 131 -> 114 registers), correct in all 14 `--quick` cases for
       both formats, and format 2 at 2 stages goes to 73.4 us at 32 x 2048 (81.7 with two
       consumers): the heuristic's choice for format version 2 (128).
+    schedule: how (sequence, page range) work items are laid out over CTAs. "grid" (default):
+      every sequence gets `splits` equal page ranges of the cache's `max_pages` (a static grid
+      (KV heads, B * splits); a short sequence's CTAs exit at once, a long one's take as long
+      as its own range). "balanced": the wrapper plans the items from the lengths on the
+      device, like a paged-attention scheduler: one page count per item from the total
+      (about 90% of the CTA slots' worth of items, never below 4 steps), a sequence cut into
+      as many equal items as that needs, so a 128K sequence among short ones is spread over
+      the GPU instead of `splits` CTAs (`splits` is then unused). The grid is (KV heads,
+      items) with a static count of `items` (0: `target_items`, 90% of the CTA slots' worth
+      per KV head) plus B; unused items do nothing.
+    items: the balanced schedule's target work items per KV head (0: `target_items`).
     timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
       waits for and releases each stage (the producer's copy rate), "compute" = the producer
       issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
@@ -111,10 +124,16 @@ class DecodeConfig:
   consumers: int = 1
   v_after_qk: bool = False
   max_registers: int = 0
+  schedule: str = "grid"
+  items: int = 0
 
   def __post_init__(self):
     if self.splits < 1:
       raise ValueError(f"{self.splits=} must be >= 1")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"{self.schedule=} must be one of {SCHEDULES}")
+    if self.items < 0:
+      raise ValueError(f"{self.items=} must be >= 0 (0: target_items)")
     if not 1 <= self.stages <= 4:
       raise ValueError(f"{self.stages=} must be in [1, 4]")
     if self.consumer_registers and (self.consumer_registers % 8 or not 64 <= self.consumer_registers <= 256):
@@ -182,24 +201,26 @@ def default_config(cache: PagedKVCache) -> DecodeConfig:
                           version=cache.format_version or 1)
 
 
-def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
-            compressed, version, head_dim, kv_heads, row_stride, pages_per_split, max_pages, scale, stages,
+def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref, *refs,
+            compressed, version, head_dim, kv_heads, row_stride, max_pages, scale, stages,
             timing_probe, warp_issue, consumer_registers, consumers, v_after_qk, max_registers, interpret):
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
       rows past the end; lengths_ref: i32 [B]; page_table_ref: i32 [B, MP];
+    work_ref: i32 [W, 3]: work item w is (sequence b, first page, end page) (`_work_items`);
     k_tail_ref, v_tail_ref: bf16 [B, Hkv, 16, D], or (compressed, restored in registers) the
       same bytes as uint8 [B, Hkv, 4 * nb, 256]: one byte-stage slot, where the tail page lands;
     compressed: arena_ref u8 [U, 256], meta_ref u32 [Hkv, P, 2, 2] (format version 2: [Hkv, P, 2, 4]);
     else: k_pages_ref, v_pages_ref bf16 [Hkv, P, 16, D];
-    o_ref: f32 [B, Hkv, splits * consumers, D, 8] (O^T; columns >= G unused);
-    lse_ref: f32 [B, Hkv, splits * consumers, 16, 8] (log2 domain, every row the same).
-  Consumer c of split s writes partial s * consumers + c.
+    o_ref: f32 [W, Hkv, consumers, D, 8] (O^T; columns >= G unused);
+    lse_ref: f32 [W, Hkv, consumers, 16, 8] (log2 domain, every row the same).
+  Consumer c of work item w writes partial (w, c).
   """
   store_a, store_b, o_ref, lse_ref, scoped = refs
   nb = head_dim // 32
-  kvh, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
+  kvh, item = lax.axis_index("h"), lax.axis_index("w")
+  b = work_ref[item, 0]
   wg = lax.axis_index("wg")
   (q_smem, stream_or_epilogue, info_smem, chunk_smem, pt_smem, reduce_smem), (q_bar, load_bars, consumed_bars) = scoped
   in_registers = compressed and not interpret  # restore straight into wgmma A fragments
@@ -212,8 +233,8 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   length = lengths_ref[b]
   full_pages = length // PAGE_SIZE
   total_pages = (length + PAGE_SIZE - 1) // PAGE_SIZE
-  first_page = split * pages_per_split
-  end_page = jnp.minimum(first_page + pages_per_split, total_pages)
+  first_page = work_ref[item, 1]
+  end_page = jnp.minimum(work_ref[item, 2], total_pages)
   n_steps = jnp.maximum(end_page - first_page + STEP_PAGES - 1, 0) // STEP_PAGES
 
   info_words, kind_words = info_smem.shape[-1], P.KIND_WORDS[version]
@@ -321,9 +342,8 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
     lse = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_safe))
     lse_mine[...] = lax.broadcast_in_dim(lse, lse_mine.shape, [1])
     plgpu.commit_smem()
-    partial = split * consumers + c
-    plgpu.copy_smem_to_gmem(o_mine, o_ref.at[b, kvh, partial])
-    plgpu.copy_smem_to_gmem(lse_mine.at[pl.ds(0, LSE_ROWS)], lse_ref.at[b, kvh, partial])
+    plgpu.copy_smem_to_gmem(o_mine, o_ref.at[item, kvh, c])
+    plgpu.copy_smem_to_gmem(lse_mine.at[pl.ds(0, LSE_ROWS)], lse_ref.at[item, kvh, c])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == consumers)
@@ -487,9 +507,9 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   kv_heads = cache.num_kv_heads
   group = q_heads // kv_heads
   nb = head_dim // 32
-  splits, stages, consumers = config.splits, config.stages, config.consumers
+  stages, consumers = config.stages, config.consumers
   max_pages = cache.max_pages
-  pages_per_split = -(-(max_pages + 1) // (splits * STEP_PAGES)) * STEP_PAGES
+  work, item_slot = _work_items(cache.lengths, kv_heads, max_pages, config)
   stores = (cache.arena, cache.group_meta) if cache.compressed else (cache.k_pages, cache.v_pages)
   version = cache.format_version or 1
   in_registers = cache.compressed and not interpret
@@ -527,7 +547,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
 
   body = functools.partial(
       _kernel, compressed=cache.compressed, version=version, head_dim=head_dim, kv_heads=kv_heads, row_stride=row_stride,
-      pages_per_split=pages_per_split, max_pages=max_pages, scale=scale, stages=stages,
+      max_pages=max_pages, scale=scale, stages=stages,
       timing_probe=config.timing_probe, warp_issue=config.warp_issue,
       consumer_registers=config.consumer_registers, consumers=consumers, v_after_qk=config.v_after_qk,
       max_registers=config.max_registers, interpret=interpret)
@@ -538,21 +558,83 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   o, lse = plgpu.kernel(
       entry,
       out_type=(
-          jax.ShapeDtypeStruct((batch, kv_heads, splits * consumers, head_dim, QROWS), jnp.float32),
-          jax.ShapeDtypeStruct((batch, kv_heads, splits * consumers, LSE_ROWS, QROWS), jnp.float32),
+          jax.ShapeDtypeStruct((work.shape[0], kv_heads, consumers, head_dim, QROWS), jnp.float32),
+          jax.ShapeDtypeStruct((work.shape[0], kv_heads, consumers, LSE_ROWS, QROWS), jnp.float32),
       ),
-      grid=(kv_heads, batch, splits),
-      grid_names=("h", "b", "s"),
+      grid=(kv_heads, work.shape[0]),  # KV heads fastest, then items: the grid schedule's (h, b, s) order
+      grid_names=("h", "w"),
       num_threads=consumers + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
-  )(q_rows, cache.lengths, cache.page_table, *tails, *stores)
-  out, lse2 = _combine(jnp.swapaxes(o, 3, 4)[:, :, :, :group], lse[:, :, :, 0, :group])
+  )(q_rows, cache.lengths, cache.page_table, work, *tails, *stores)
+  o, lse2 = jnp.swapaxes(o, 3, 4)[..., :group, :], lse[..., 0, :group]  # [W, Hkv, C, G, D], [W, Hkv, C, G]
+  if item_slot is None:  # grid: item s * B + b -> partials [B, Hkv, splits * C] (split-major)
+    regroup = lambda x: jnp.moveaxis(x.reshape(config.splits, batch, *x.shape[1:]), 0, 2).reshape(
+        batch, kv_heads, config.splits * consumers, *x.shape[3:])
+    out, lse2 = _combine(regroup(o), regroup(lse2))
+  else:
+    out, lse2 = _combine_items(o, lse2, item_slot, batch)
   out = out.reshape(batch, q_heads, head_dim).astype(jnp.bfloat16)
   if return_lse:
     return out, (lse2 * math.log(2.0)).reshape(batch, q_heads)
   return out
+
+
+def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
+  """The kernel's work items: (int32 [W, 3] rows (sequence, first page, end page), item -> sequence
+  int32 [W] with B for an unused item, or None for the grid schedule).
+
+  grid: item s * B + b is split s of sequence b, `pages_per_split` pages of the cache's
+  `max_pages + 1` (static, as before: B * splits items).
+  balanced (on the device, from `lengths`): with T the batch's pages (tail pages included), each
+  item holds about c = max(16, ceil(T / W0)) pages (rounded up to whole steps), W0 =
+  `config.items` or `target_items(kv_heads, consumers)`; sequence b gets n_b = ceil(p_b / c) items of equal size
+  (rounded up to whole steps), in sequence order. sum(n_b) <= T / c + B <= W0 + B, the static
+  item count; the rest are unused (end page 0: no step, and `_combine_items` drops them).
+  """
+  batch = lengths.shape[0]
+  if config.schedule == "grid":
+    pages_per_split = -(-(max_pages + 1) // (config.splits * STEP_PAGES)) * STEP_PAGES
+    split, b = jnp.divmod(jnp.arange(batch * config.splits, dtype=jnp.int32), batch)
+    first = split * pages_per_split
+    return jnp.stack([b, first, first + pages_per_split], axis=1), None
+  steps_up = lambda x: -(-x // STEP_PAGES) * STEP_PAGES
+  pages = (lengths.astype(jnp.int32) + PAGE_SIZE - 1) // PAGE_SIZE  # [B], the tail page included
+  target = config.items or target_items(kv_heads, config.consumers)
+  chunk = jnp.maximum(MIN_ITEM_PAGES, steps_up(-(-jnp.sum(pages) // target)))
+  per_item = steps_up(-(-pages // jnp.maximum(-(-pages // chunk), 1)))  # equal items of whole steps
+  count = -(-pages // jnp.maximum(per_item, 1))  # [B], 0 for an empty sequence
+  ends = jnp.cumsum(count)
+  w = jnp.arange(target + batch, dtype=jnp.int32)
+  b = jnp.searchsorted(ends, w, side="right").astype(jnp.int32)  # B past the last used item
+  used = b < batch
+  bc = jnp.minimum(b, batch - 1)
+  first = (w - (ends[bc] - count[bc])) * per_item[bc]
+  work = jnp.where(used[:, None], jnp.stack([bc, first, first + per_item[bc]], axis=1), 0)
+  return work, jnp.where(used, b, batch)
+
+
+def target_items(kv_heads: int, consumers: int = 1) -> int:
+  """Work items per KV head the balanced schedule aims at: 90% of the GPU's CTA slots."""
+  slots = (CTAS_PER_SM if consumers == 1 else 1) * NUM_SMS
+  return max(1, math.ceil(0.9 * slots / kv_heads))
+
+
+def _combine_items(o, lse2, item_slot, batch: int):
+  """Merge work-item partials by sequence: o f32 [W, Hkv, C, G, D], lse2 f32 [W, Hkv, C, G], item_slot
+  int32 [W] (B: unused) -> ([B, Hkv, G, D], [B, Hkv, G]); a sequence with no item gets 0 and -inf."""
+  used = (item_slot < batch)[:, None, None, None]
+  lse2 = jnp.where(used, lse2, -jnp.inf)
+  o = jnp.where(used[..., None], o, 0.0)
+  seg = lambda f, x: f(x, item_slot, num_segments=batch)  # drops item_slot == B
+  top = seg(jax.ops.segment_max, lse2.max(axis=2))  # [B, Hkv, G]
+  top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.exp2(lse2 - top_safe[jnp.minimum(item_slot, batch - 1)][:, :, None])  # [W, Hkv, C, G]
+  total = seg(jax.ops.segment_sum, w.sum(axis=2))
+  out = seg(jax.ops.segment_sum, jnp.sum(w[..., None] * o, axis=2)) / jnp.where(total == 0, 1.0, total)[..., None]
+  lse = jnp.where(total == 0, -jnp.inf, top_safe + jnp.log2(jnp.where(total == 0, 1.0, total)))
+  return out, lse
 
 
 def _combine(o, lse2):

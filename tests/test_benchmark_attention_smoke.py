@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from benchmarks import attention
 
 
@@ -14,3 +16,19 @@ def test_attention_benchmark_smoke(tmp_path):
     assert {"kernel", "model", "batch", "context", "time_us", "bytes_read"} <= set(row)
     assert row["model"] == "llama3.1-8b" and row["batch"] == 1 and row["context"] == 32
   assert result["data"][0]["compressed_equals_uncompressed"]
+
+
+@pytest.mark.slow  # 56 s: the interpreted kernel 16 times (the balanced schedule's own test is in the default tier)
+def test_ragged_benchmark_rows(tmp_path):
+  """benchmarks.ragged on CPU: the interpreted kernel under both schedules, checked against the reference."""
+  from benchmarks import ragged
+
+  out = tmp_path / "ragged.json"
+  result = ragged.main(["--mixes", "smoke", "--model", "tiny-llama3", "--items", "2", "--out", str(out)])
+  rows = result["rows"]
+  assert json.loads(out.read_text())["rows"] == rows
+  assert {(r["kernel"], r["schedule"]) for r in rows} == {
+      (k, s) for k in ("zipfusion_compressed", "zipfusion_uncompressed") for s in ("grid", "balanced")}
+  assert all(r["max_error"] <= ragged.TOL and r["time_us"] > 0 and r["tokens"] == 320 for r in rows)
+  comp, plain = (next(r for r in rows if r["kernel"] == k) for k in ("zipfusion_compressed", "zipfusion_uncompressed"))
+  assert comp["bytes_read"] < plain["bytes_read"]

@@ -141,8 +141,8 @@ def test_two_consumers_lower_to_three_warpgroups_and_twice_the_partials():
     cfg = da.DecodeConfig(splits=3, stages=2, consumers=consumers)
     text = _lower_text(lambda q, c, cfg=cfg: da._decode_attention(q, c, 0.125, cfg, True), q, cache)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
-    # the kernel's partial outputs: splits x consumers of them per (sequence, KV head)
-    assert re.search(rf"tensor<2x2x{3 * consumers}x128x8xf32>", text), f"no {3 * consumers}-partial O output"
+    # the kernel's partial outputs [items = B * splits, Hkv, consumers, D, 8]: splits x consumers per (sequence, KV head)
+    assert re.search(rf"tensor<6x2x{consumers}x128x8xf32>", text), f"no {3 * consumers}-partial O output"
 
 
 def test_compressed_pages_are_never_materialised_as_bf16():
@@ -223,6 +223,102 @@ def test_two_consumers_interpreted_match_the_reference_and_both_stores_agree_bit
   assert np.all(outs[0][lengths == 0] == 0)
 
 
+@pytest.mark.parametrize("lengths,kv_heads,items", [
+    ([131072] + [1000] * 31, 8, 0),  # one long sequence among short ones
+    ([2048] * 32, 8, 0), ([8192] * 8, 8, 0), ([0, 0, 5], 2, 0), ([0] * 4, 8, 0), ([700, 37, 0], 1, 4),
+    ("random", 8, 0), ("random", 3, 7)])
+def test_balanced_items_cover_every_page_once_in_equal_whole_steps(lengths, kv_heads, items):
+  if lengths == "random":
+    lengths = np.random.default_rng(kv_heads).integers(0, 40000, size=48)
+  lengths = np.asarray(lengths, np.int32)
+  batch, pages = len(lengths), -(-lengths // 16)
+  cfg = da.DecodeConfig(schedule="balanced", items=items)
+  work, item_slot = jax.jit(da._work_items, static_argnums=(1, 2, 3))(jnp.asarray(lengths), kv_heads, 8192, cfg)
+  work, item_slot = np.asarray(work), np.asarray(item_slot)
+  target = items or da.target_items(kv_heads)
+  chex.assert_shape((work, item_slot), ((target + batch, 3), (target + batch,)))
+  used = item_slot < batch
+  np.testing.assert_array_equal(item_slot[~used], batch)
+  np.testing.assert_array_equal(work[~used], 0)  # an unused item covers no page
+  assert np.all(np.diff(item_slot[used]) >= 0) and np.all(used[: used.sum()])  # in sequence order, used first
+  b, first, end = work[used].T
+  np.testing.assert_array_equal(b, item_slot[used])
+  assert np.all(first % da.STEP_PAGES == 0) and np.all(end - first >= 1) and np.all((end - first) % da.STEP_PAGES == 0)
+  covered = np.zeros((batch, pages.max(initial=0) + 1), int)
+  for bi, f, e in zip(b, first, end):
+    covered[bi, f: min(e, pages[bi])] += 1
+  np.testing.assert_array_equal(covered, np.arange(covered.shape[1])[None] < pages[:, None])  # every page once
+  chunk = max(da.MIN_ITEM_PAGES, -(-(-(-pages.sum() // target)) // 4) * 4)
+  assert np.all(end - first <= chunk)  # no item longer than the planned chunk
+  for bi in set(b):  # a sequence's items are equal (the last one clamped by the length)
+    assert len(set((end - first)[b == bi])) == 1
+  if len(set(lengths)) == 1 and lengths[0] > 0:  # equal lengths: as many items as the grid heuristic's splits
+    assert used.sum() == batch * da.heuristic_config(batch, kv_heads, int(pages[0])).splits
+
+
+def test_the_balanced_schedule_spreads_a_long_sequence_over_the_gpu():
+  lengths = jnp.asarray([131072] + [1000] * 31, jnp.int32)
+  grid_cfg = da.heuristic_config(32, 8, 131072 // 16, compressed=True)
+  assert grid_cfg.splits == 1  # 256 CTAs fill the GPU, so the static grid gives the long one 1 CTA per head
+  work, _ = da._work_items(lengths, 8, 131072 // 16, da.DecodeConfig(schedule="balanced"))
+  longest = np.asarray(work[:, 2] - work[:, 1]).max()
+  assert longest * 20 <= 131072 // 16  # the long sequence's critical path is >= 20x shorter
+
+
+def test_item_combine_equals_attention_over_all_tokens():
+  """Partials of token ranges assigned to sequences in any grouping, merged by `_combine_items`."""
+  rng = np.random.default_rng(4)
+  batch, kv_heads, group, head_dim, seq = 3, 2, 2, 16, 40
+  q = jnp.asarray(rng.normal(size=(batch, kv_heads, group, head_dim)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(batch, seq, kv_heads, head_dim)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(batch, seq, kv_heads, head_dim)), jnp.float32)
+
+  def attend(b, lo, hi):  # -> o [Hkv, G, D], lse2 [Hkv, G]; empty -> 0, -inf
+    if hi <= lo:
+      return jnp.zeros((kv_heads, group, head_dim)), jnp.full((kv_heads, group), -jnp.inf)
+    s = jnp.einsum("hgd,shd->hgs", q[b], k[b, lo:hi])
+    lse = jax.nn.logsumexp(s, axis=-1)
+    return jnp.einsum("hgs,shd->hgd", jnp.exp(s - lse[..., None]), v[b, lo:hi]), lse / np.log(2.0)
+
+  # sequence 0: three items (one empty), sequence 1: none (no tokens), sequence 2: one; two unused items
+  items = [(0, 0, 10), (0, 10, 10), (0, 10, 40), (2, 0, 25), (0, 0, 0), (0, 0, 0)]
+  item_slot = jnp.asarray([0, 0, 0, 2, batch, batch])
+  parts = [attend(*it) for it in items]
+  o = jnp.stack([p[0] for p in parts])[:, :, None]  # [W, Hkv, C=1, G, D]
+  lse2 = jnp.stack([p[1] for p in parts])[:, :, None]
+  o = o.at[4].set(jnp.nan)  # an unused item's output is never read
+  got, got_lse2 = da._combine_items(o, lse2, item_slot, batch)
+  for b, (lo, hi) in enumerate([(0, 40), (0, 0), (0, 25)]):
+    want, want_lse2 = attend(b, lo, hi)
+    chex.assert_trees_all_close(got[b], want, atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(got_lse2[b], want_lse2, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("compressed", [True, False])
+def test_balanced_schedule_lowers_to_one_mosaic_gpu_kernel(compressed):
+  k, v = _kv(3, 300, 2, 128)
+  cache = zf.paged_cache_from_dense(k, v, np.array([300, 37, 0]), compressed=compressed)
+  q = jnp.zeros((3, 8, 128), jnp.bfloat16)
+  cfg = da.DecodeConfig(schedule="balanced", stages=2, v_after_qk=compressed)
+  text = _lower_text(lambda q, c: da._decode_attention(q, c, 0.125, cfg, True), q, cache)
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+  items = da.target_items(2) + 3
+  assert re.search(rf"tensor<{items}x2x1x128x8xf32>", text), "the grid is not (KV heads, target + B items)"
+
+
+def test_balanced_schedule_interpreted_matches_the_reference_and_both_stores_agree_bitwise():
+  """Ragged lengths cut into several items (a 44-page sequence into 16-page items), an empty one."""
+  q, k, v, lengths = _interpreted_problem(3, 700, 1, 4, 64, [700, 37, 0])
+  comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
+  plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
+  cfg = da.DecodeConfig(schedule="balanced", items=4, stages=2)
+  work, _ = da._work_items(jnp.asarray(lengths), 1, comp.max_pages, cfg)
+  assert [tuple(r) for r in np.asarray(work)] == [(0, 0, 16), (0, 16, 32), (0, 32, 48), (1, 0, 4), (0, 0, 0), (0, 0, 0), (0, 0, 0)]
+  outs = _interpreted_outputs(q, (comp, plain), plain, cfg)
+  np.testing.assert_array_equal(outs[0], outs[1])
+  assert np.all(outs[0][lengths == 0] == 0)
+
+
 def test_bad_impl_is_refused():
   k, v = _kv(1, 32, 1, 64)
   cache = zf.paged_cache_from_dense(k, v, np.array([20]))
@@ -282,6 +378,10 @@ def test_heuristic_fills_the_gpu_without_tiny_splits(batch, kv_heads, max_pages,
 def test_config_validates():
   with pytest.raises(ValueError, match="splits"):
     da.DecodeConfig(splits=0)
+  with pytest.raises(ValueError, match="schedule"):
+    da.DecodeConfig(schedule="dynamic")
+  with pytest.raises(ValueError, match="items"):
+    da.DecodeConfig(items=-1)
   with pytest.raises(ValueError, match="stages"):
     da.DecodeConfig(stages=9)
   with pytest.raises(ValueError, match="consumer_registers"):

@@ -1,0 +1,110 @@
+"""Decode attention over ragged batches: the grid schedule against the balanced one (one device call).
+
+  python -m benchmarks.ragged [--mixes one_long,uniform,equal_32x2048,equal_8x8192] [--items N] [--out FILE]
+
+Llama-3.1-8B attention shapes (32 q / 8 KV heads, D = 128, page 16), K/V from
+`benchmarks.attention.problem`'s generator at realistic eligibility. Per length mix, the fused
+kernel on the 12-bit store (format 1) and on BF16 pages, each under its default config
+(`default_config`: the grid schedule, splits from the slot count and `max_pages`) and under the
+same config with `schedule="balanced"` (work items planned from the lengths), all timed in the
+same run (CUPTI kernel time, median of 10: the balanced plan's few small jnp ops included).
+Every output is checked against the jnp reference first (`TOL`). Mixes:
+
+* `one_long`: one 32K-token sequence among 31 of 1K (a long request in a chat batch);
+* `uniform`: 32 sequences of 1..8192 tokens, uniformly drawn (seed 0);
+* `equal_32x2048`, `equal_8x8192`: the issue-4 target shapes, where both schedules make the
+  same items (the balanced grid carries the unused ones: its overhead).
+
+Writes {"device", "jax", "date", "rows": [{"mix", "kernel", "schedule", "batch", "max_length",
+"tokens", "time_us", "bytes_read", "max_error"}]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import zipfusion_jax as zf
+from benchmarks.compress import cupti_us
+from benchmarks.synthetic_kv import synthetic_blocks
+from models.configs import get_config
+from pallas_kernels.decode_attention import decode_attention_pallas, default_config
+
+TOL = 2e-2  # |out - reference| for O(1) outputs (bf16 P and output rounding), as fused_kernel_check
+
+MIXES = {
+    "one_long": lambda rng: np.array([32768] + [1024] * 31),
+    "uniform": lambda rng: rng.integers(1, 8193, size=32),
+    "equal_32x2048": lambda rng: np.full(32, 2048),
+    "equal_8x8192": lambda rng: np.full(8, 8192),
+    "smoke": lambda rng: np.array([300, 20, 0]),  # CPU smoke test (interpreted kernel, tiny model)
+}
+
+
+def ragged_problem(key, cfg, lengths):
+  """q, both caches (12-bit format 1, BF16 pages) and their stored bytes for `lengths`."""
+  batch, seq = len(lengths), int(lengths.max())
+  n = batch * seq * cfg.kv_heads * cfg.head_dim // 512
+  k, v = (synthetic_blocks(jax.random.fold_in(key, i), n).reshape(batch, seq, cfg.kv_heads, cfg.head_dim)
+          for i in range(2))
+  q = jax.random.normal(jax.random.fold_in(key, 2), (batch, cfg.q_heads, cfg.head_dim), jnp.bfloat16)
+  comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
+  plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
+  used_pages = int(np.sum(lengths // 16))  # completed pages each store holds for the sequences
+  page_bytes = 2 * cfg.kv_heads * 16 * cfg.head_dim * 2  # K + V, BF16
+  tail_bytes = 2 * batch * cfg.kv_heads * 16 * cfg.head_dim * 2
+  comp_bytes = comp.arena.size + comp.group_meta.size * 4 + tail_bytes  # arena is sized to the pages
+  return q, comp, plain, dict(compressed=comp_bytes, uncompressed=used_pages * page_bytes + tail_bytes)
+
+
+def run_mix(name, lengths, cfg, key, items=0):
+  q, comp, plain, nbytes = ragged_problem(key, cfg, lengths)
+  scale = 1.0 / np.sqrt(cfg.head_dim)
+  ref = zf.paged_decode_attention(q, plain, impl="reference").astype(jnp.float32)
+  rows = []
+  for path, cache in (("zipfusion_compressed", comp), ("zipfusion_uncompressed", plain)):
+    base = default_config(cache)
+    for schedule in ("grid", "balanced"):
+      c = dataclasses.replace(base, schedule=schedule, items=items if schedule == "balanced" else 0)
+      f = jax.jit(lambda q, cache, c=c: decode_attention_pallas(q, cache, scale, config=c))
+      err = float(jnp.max(jnp.abs(f(q, cache).astype(jnp.float32) - ref)))
+      if not err <= TOL:
+        raise AssertionError(f"{name} {path} {schedule}: max error {err} > {TOL}")
+      t, _ = cupti_us(f, q, cache)
+      kind = path.split("_")[1]
+      rows.append(dict(mix=name, kernel=path, schedule=schedule, batch=len(lengths), max_length=int(lengths.max()),
+                       tokens=int(lengths.sum()), time_us=t, bytes_read=int(nbytes[kind]), max_error=err,
+                       splits=c.splits))
+      print(f"{name:14s} {path:23s} {schedule:8s} splits={c.splits:2d} {t:9.1f} us "
+            f"{nbytes[kind] / t / 1e6:5.2f} TB/s  err {err:.1e}", flush=True)
+  return rows
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--mixes", default=",".join(MIXES))
+  p.add_argument("--model", default="llama3.1-8b")
+  p.add_argument("--items", type=int, default=0, help="balanced: work items per KV head (0: target_items)")
+  p.add_argument("--out", default=None)
+  a = p.parse_args(argv)
+  cfg = get_config(a.model)
+  result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
+                model=a.model, rows=[])
+  for i, name in enumerate(a.mixes.split(",")):
+    lengths = MIXES[name](np.random.default_rng(0)).astype(np.int32)
+    result["rows"] += run_mix(name, lengths, cfg, jax.random.key(i), a.items)
+    if a.out:  # after every mix: a killed call keeps what was measured
+      pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+      pathlib.Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+  return result
+
+
+if __name__ == "__main__":
+  main()
