@@ -209,6 +209,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
       rows past the end; lengths_ref: i32 [B]; page_table_ref: i32 [B, MP];
     work_ref: i32 [W, 3]: work item w is (sequence b, first page, end page) (`_work_items`);
+      b = -1 marks an unused item: its CTA returns at once and writes no partial;
     k_tail_ref, v_tail_ref: bf16 [B, Hkv, 16, D], or (compressed, restored in registers) the
       same bytes as uint8 [B, Hkv, 4 * nb, 256]: one byte-stage slot, where the tail page lands;
     compressed: arena_ref u8 [U, 256], meta_ref u32 [Hkv, P, 2, 2] (format version 2: [Hkv, P, 2, 4]);
@@ -220,7 +221,9 @@ def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref
   store_a, store_b, o_ref, lse_ref, scoped = refs
   nb = head_dim // 32
   kvh, item = lax.axis_index("h"), lax.axis_index("w")
-  b = work_ref[item, 0]
+  b = work_ref[item, 0]  # -1: an unused item (balanced schedule), which does nothing at all
+  used = b >= 0
+  b = jnp.maximum(b, 0)
   wg = lax.axis_index("wg")
   (q_smem, stream_or_epilogue, info_smem, chunk_smem, pt_smem, reduce_smem), (q_bar, load_bars, consumed_bars) = scoped
   in_registers = compressed and not interpret  # restore straight into wgmma A fragments
@@ -242,7 +245,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref
   def slot_infos(stage):
     return [tuple(info_smem[stage, s, i] for i in range(info_words)) for s in range(STEP_PAGES)]
 
-  @pl.when(wg < consumers)
+  @pl.when(used & (wg < consumers))
   def _consumer():
     c = wg  # this consumer: steps c, c + consumers, ...
     if consumer_registers:
@@ -346,7 +349,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref
     plgpu.copy_smem_to_gmem(lse_mine.at[pl.ds(0, LSE_ROWS)], lse_ref.at[item, kvh, c])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == consumers)
+  @pl.when(used & (wg == consumers))
   def _producer():
     if consumer_registers:
       plgpu.set_max_registers(40, action="decrease")
@@ -591,7 +594,8 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
   item holds about c = max(16, ceil(T / W0)) pages (rounded up to whole steps), W0 =
   `config.items` or `target_items(kv_heads, consumers)`; sequence b gets n_b = ceil(p_b / c) items of equal size
   (rounded up to whole steps), in sequence order. sum(n_b) <= T / c + B <= W0 + B, the static
-  item count; the rest are unused (end page 0: no step, and `_combine_items` drops them).
+  item count; the rest are unused: (-1, 0, 0), whose CTAs return at once (no Q copy, no output
+  write; an unused CTA costs its launch and one load), and `_combine_items` drops them.
   """
   batch = lengths.shape[0]
   if config.schedule == "grid":
@@ -611,7 +615,7 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
   used = b < batch
   bc = jnp.minimum(b, batch - 1)
   first = (w - (ends[bc] - count[bc])) * per_item[bc]
-  work = jnp.where(used[:, None], jnp.stack([bc, first, first + per_item[bc]], axis=1), 0)
+  work = jnp.where(used[:, None], jnp.stack([bc, first, first + per_item[bc]], axis=1), jnp.array([-1, 0, 0]))
   return work, jnp.where(used, b, batch)
 
 

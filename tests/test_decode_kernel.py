@@ -239,7 +239,7 @@ def test_balanced_items_cover_every_page_once_in_equal_whole_steps(lengths, kv_h
   chex.assert_shape((work, item_slot), ((target + batch, 3), (target + batch,)))
   used = item_slot < batch
   np.testing.assert_array_equal(item_slot[~used], batch)
-  np.testing.assert_array_equal(work[~used], 0)  # an unused item covers no page
+  np.testing.assert_array_equal(work[~used], np.broadcast_to([-1, 0, 0], work[~used].shape))  # unused: no page
   assert np.all(np.diff(item_slot[used]) >= 0) and np.all(used[: used.sum()])  # in sequence order, used first
   b, first, end = work[used].T
   np.testing.assert_array_equal(b, item_slot[used])
@@ -313,7 +313,7 @@ def test_balanced_schedule_interpreted_matches_the_reference_and_both_stores_agr
   plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
   cfg = da.DecodeConfig(schedule="balanced", items=4, stages=2)
   work, _ = da._work_items(jnp.asarray(lengths), 1, comp.max_pages, cfg)
-  assert [tuple(r) for r in np.asarray(work)] == [(0, 0, 16), (0, 16, 32), (0, 32, 48), (1, 0, 4), (0, 0, 0), (0, 0, 0), (0, 0, 0)]
+  assert [tuple(r) for r in np.asarray(work)] == [(0, 0, 16), (0, 16, 32), (0, 32, 48), (1, 0, 4)] + [(-1, 0, 0)] * 3
   outs = _interpreted_outputs(q, (comp, plain), plain, cfg)
   np.testing.assert_array_equal(outs[0], outs[1])
   assert np.all(outs[0][lengths == 0] == 0)
