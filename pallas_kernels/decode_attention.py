@@ -208,7 +208,8 @@ def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
       rows past the end; lengths_ref: i32 [B]; page_table_ref: i32 [B, MP];
-    work_ref: i32 [W, 3]: work item w is (sequence b, first page, end page) (`_work_items`);
+    work_ref: i32 [3 W]: work item w is (sequence b, first page, end page) at 3w (`_work_items`,
+      flat: scalar loads with one dynamic index, as `lengths_ref[b]`);
       b = -1 marks an unused item: its CTA returns at once and writes no partial;
     k_tail_ref, v_tail_ref: bf16 [B, Hkv, 16, D], or (compressed, restored in registers) the
       same bytes as uint8 [B, Hkv, 4 * nb, 256]: one byte-stage slot, where the tail page lands;
@@ -221,7 +222,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref
   store_a, store_b, o_ref, lse_ref, scoped = refs
   nb = head_dim // 32
   kvh, item = lax.axis_index("h"), lax.axis_index("w")
-  b = work_ref[item, 0]  # -1: an unused item (balanced schedule), which does nothing at all
+  b = work_ref[3 * item]  # -1: an unused item (balanced schedule), which does nothing at all
   used = b >= 0
   b = jnp.maximum(b, 0)
   wg = lax.axis_index("wg")
@@ -236,8 +237,8 @@ def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref
   length = lengths_ref[b]
   full_pages = length // PAGE_SIZE
   total_pages = (length + PAGE_SIZE - 1) // PAGE_SIZE
-  first_page = work_ref[item, 1]
-  end_page = jnp.minimum(work_ref[item, 2], total_pages)
+  first_page = work_ref[3 * item + 1]
+  end_page = jnp.minimum(work_ref[3 * item + 2], total_pages)
   n_steps = jnp.maximum(end_page - first_page + STEP_PAGES - 1, 0) // STEP_PAGES
 
   info_words, kind_words = info_smem.shape[-1], P.KIND_WORDS[version]
@@ -570,7 +571,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
-  )(q_rows, cache.lengths, cache.page_table, work, *tails, *stores)
+  )(q_rows, cache.lengths, cache.page_table, work.reshape(-1), *tails, *stores)
   o, lse2 = jnp.swapaxes(o, 3, 4)[..., :group, :], lse[..., 0, :group]  # [W, Hkv, C, G, D], [W, Hkv, C, G]
   if item_slot is None:  # grid: item s * B + b -> partials [B, Hkv, splits * C] (split-major)
     regroup = lambda x: jnp.moveaxis(x.reshape(config.splits, batch, *x.shape[1:]), 0, 2).reshape(
