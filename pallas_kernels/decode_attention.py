@@ -202,7 +202,7 @@ def default_config(cache: PagedKVCache) -> DecodeConfig:
 
 
 def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref, *refs,
-            compressed, version, head_dim, kv_heads, row_stride, max_pages, scale, stages,
+            compressed, version, head_dim, kv_heads, row_stride, max_pages, grid_pages, scale, stages,
             timing_probe, warp_issue, consumer_registers, consumers, v_after_qk, max_registers, interpret):
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
@@ -210,7 +210,9 @@ def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref
       rows past the end; lengths_ref: i32 [B]; page_table_ref: i32 [B, MP];
     work_ref: i32 [3 W]: work item w is (sequence b, first page, end page) at 3w (`_work_items`,
       flat: scalar loads with one dynamic index, as `lengths_ref[b]`);
-      b = -1 marks an unused item: its CTA returns at once and writes no partial;
+      b = -1 marks an unused item: its CTA returns at once and writes no partial. With
+      `grid_pages` (the grid schedule's pages per split) the kernel computes the same row from
+      its program id instead (item s * B + b), so no load stands before its first copies;
     k_tail_ref, v_tail_ref: bf16 [B, Hkv, 16, D], or (compressed, restored in registers) the
       same bytes as uint8 [B, Hkv, 4 * nb, 256]: one byte-stage slot, where the tail page lands;
     compressed: arena_ref u8 [U, 256], meta_ref u32 [Hkv, P, 2, 2] (format version 2: [Hkv, P, 2, 4]);
@@ -222,9 +224,16 @@ def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref
   store_a, store_b, o_ref, lse_ref, scoped = refs
   nb = head_dim // 32
   kvh, item = lax.axis_index("h"), lax.axis_index("w")
-  b = work_ref[3 * item]  # -1: an unused item (balanced schedule), which does nothing at all
-  used = b >= 0
-  b = jnp.maximum(b, 0)
+  if grid_pages:  # grid schedule: item = split * B + b
+    batch = lengths_ref.shape[0]
+    b, used = lax.rem(item, batch), True
+    first_page = lax.div(item, batch) * grid_pages
+    item_end = first_page + grid_pages
+  else:
+    b = work_ref[3 * item]  # -1: an unused item (balanced schedule), which does nothing at all
+    used = b >= 0
+    b = jnp.maximum(b, 0)
+    first_page, item_end = work_ref[3 * item + 1], work_ref[3 * item + 2]
   wg = lax.axis_index("wg")
   (q_smem, stream_or_epilogue, info_smem, chunk_smem, pt_smem, reduce_smem), (q_bar, load_bars, consumed_bars) = scoped
   in_registers = compressed and not interpret  # restore straight into wgmma A fragments
@@ -237,8 +246,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref
   length = lengths_ref[b]
   full_pages = length // PAGE_SIZE
   total_pages = (length + PAGE_SIZE - 1) // PAGE_SIZE
-  first_page = work_ref[3 * item + 1]
-  end_page = jnp.minimum(work_ref[3 * item + 2], total_pages)
+  end_page = jnp.minimum(item_end, total_pages)
   n_steps = jnp.maximum(end_page - first_page + STEP_PAGES - 1, 0) // STEP_PAGES
 
   info_words, kind_words = info_smem.shape[-1], P.KIND_WORDS[version]
@@ -551,7 +559,8 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
 
   body = functools.partial(
       _kernel, compressed=cache.compressed, version=version, head_dim=head_dim, kv_heads=kv_heads, row_stride=row_stride,
-      max_pages=max_pages, scale=scale, stages=stages,
+      max_pages=max_pages, grid_pages=_grid_pages(max_pages, config) if config.schedule == "grid" else 0,
+      scale=scale, stages=stages,
       timing_probe=config.timing_probe, warp_issue=config.warp_issue,
       consumer_registers=config.consumer_registers, consumers=consumers, v_after_qk=config.v_after_qk,
       max_registers=config.max_registers, interpret=interpret)
@@ -600,7 +609,7 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
   """
   batch = lengths.shape[0]
   if config.schedule == "grid":
-    pages_per_split = -(-(max_pages + 1) // (config.splits * STEP_PAGES)) * STEP_PAGES
+    pages_per_split = _grid_pages(max_pages, config)
     split, b = jnp.divmod(jnp.arange(batch * config.splits, dtype=jnp.int32), batch)
     first = split * pages_per_split
     return jnp.stack([b, first, first + pages_per_split], axis=1), None
@@ -618,6 +627,11 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
   first = (w - (ends[bc] - count[bc])) * per_item[bc]
   work = jnp.where(used[:, None], jnp.stack([bc, first, first + per_item[bc]], axis=1), jnp.array([-1, 0, 0]))
   return work, jnp.where(used, b, batch)
+
+
+def _grid_pages(max_pages: int, config: DecodeConfig) -> int:
+  """The grid schedule's pages per split: `max_pages + 1` (the tail page) over `splits`, whole steps."""
+  return -(-(max_pages + 1) // (config.splits * STEP_PAGES)) * STEP_PAGES
 
 
 def target_items(kv_heads: int, consumers: int = 1) -> int:
