@@ -70,9 +70,8 @@ def run_mix(name, lengths, cfg, key, items=0):
   ref = zf.paged_decode_attention(q, plain, impl="reference").astype(jnp.float32)
   rows = []
   for path, cache in (("zipfusion_compressed", comp), ("zipfusion_uncompressed", plain)):
-    base = default_config(cache)
     for schedule in ("grid", "balanced"):
-      c = dataclasses.replace(base, schedule=schedule, items=items if schedule == "balanced" else 0)
+      c = dataclasses.replace(default_config(cache, schedule), items=items if schedule == "balanced" else 0)
       f = jax.jit(lambda q, cache, c=c: decode_attention_pallas(q, cache, scale, config=c))
       err = float(jnp.max(jnp.abs(f(q, cache).astype(jnp.float32) - ref)))
       if not err <= TOL:

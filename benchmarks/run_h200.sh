@@ -8,6 +8,12 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
+# 00. (Twelfth session, 2026-12-07.) The fused kernel now reads a work table (grid (KV heads, items));
+# the grid schedule derives its rows from the program id as before, `schedule="balanced"` plans
+# items from the lengths. Neither has run on a GPU yet: correctness of both first (~200 s), then
+# ragged batches under both schedules (~150 s), then step 0 below.
+timeout -s KILL 230 python3 -m benchmarks.fused_kernel_check --quick --skip-timing --sweep '[{"schedule":"balanced"}]' --out "$out/fused_kernel_schedule_check_h200.json" 2>&1 | grep -E "PASS|FAIL|Error" | cut -c1-300
+timeout -s KILL 230 python3 -m benchmarks.ragged --out "$out/ragged_h200.json" 2>&1 | grep -vE "Warning|^\s*$"
 # 0. (Eleventh session, 2026-12-07.) The Mosaic GPU compressor on bulk copies (`tma`): on the H100
 # (this morning) 654.7 us per GiB with the tail unspecified (1.63 TB/s of input), 741.4 with the tail
 # zeroed in the kernel (the copy rate), the small-input check passed for both placements, and block

@@ -151,7 +151,7 @@ class DecodeConfig:
 
 
 def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool = False,
-                     consumers: int = 1, version: int = 1) -> DecodeConfig:
+                     consumers: int = 1, version: int = 1, schedule: str = "grid") -> DecodeConfig:
   """Pick splits so the grid about fills every CTA slot while each split keeps >= 4 steps, and
   the consumer layout and ring depth by store.
 
@@ -189,16 +189,17 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool
   while ctas * splits < 0.9 * slots and steps // (2 * splits) >= 4:
     splits *= 2
   if consumers == 2:
-    return DecodeConfig(splits=splits, stages=4 if compressed else 2, consumers=2)
+    return DecodeConfig(splits=splits, stages=4 if compressed else 2, consumers=2, schedule=schedule)
   # Format 2 needs 131 registers uncapped: capped at 128, two CTAs share an SM.
   cap = 128 if compressed and version >= 2 else 0
-  return DecodeConfig(splits=splits, stages=2, v_after_qk=compressed, max_registers=cap)
+  return DecodeConfig(splits=splits, stages=2, v_after_qk=compressed, max_registers=cap, schedule=schedule)
 
 
-def default_config(cache: PagedKVCache) -> DecodeConfig:
-  """The config `decode_attention_pallas` uses for `cache` when none is given."""
+def default_config(cache: PagedKVCache, schedule: str = "grid") -> DecodeConfig:
+  """The config `decode_attention_pallas` uses for `cache` when none is given (`schedule`: see
+  DecodeConfig; "balanced" for ragged batches)."""
   return heuristic_config(cache.batch, cache.num_kv_heads, cache.max_pages, cache.compressed,
-                          version=cache.format_version or 1)
+                          version=cache.format_version or 1, schedule=schedule)
 
 
 def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref, *refs,

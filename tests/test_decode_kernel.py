@@ -447,5 +447,7 @@ def test_default_config_is_the_heuristic_for_the_caches_store():
   k, v = _kv(2, 100, 2, 128)
   lengths = np.array([100, 37])
   for kwargs, want in (({"compressed": False}, (1, False, 0)), ({}, (1, True, 0)), ({"version": 2}, (1, True, 128))):
-    cfg = da.default_config(zf.paged_cache_from_dense(k, v, lengths, **kwargs))
-    assert (cfg.consumers, cfg.v_after_qk, cfg.max_registers) == want, kwargs
+    cache = zf.paged_cache_from_dense(k, v, lengths, **kwargs)
+    cfg = da.default_config(cache)
+    assert (cfg.consumers, cfg.v_after_qk, cfg.max_registers, cfg.schedule) == (*want, "grid"), kwargs
+    assert da.default_config(cache, "balanced") == dataclasses.replace(cfg, schedule="balanced")  # only the schedule moves
