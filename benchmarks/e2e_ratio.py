@@ -41,7 +41,10 @@ def decompose(rows: list[dict], system: str = "zipfusion", baseline: str = "unco
   chosen = {}
   for row in rows:
     if row.get("is_max_batch") and row.get("decode_tokens_per_s") and row["system"] in (system, baseline):
-      chosen[(row["system"], *_key(row))] = row
+      key = (row["system"], *_key(row))
+      if key in chosen:
+        raise ValueError(f"{key} is measured twice: which row would the ratio use?")
+      chosen[key] = row
   out = []
   for (name, *key), z in chosen.items():
     u = chosen.get((baseline, *key))
@@ -81,7 +84,11 @@ def main(argv=None):
   p.add_argument("--system", default="zipfusion", help="the compressed system (zipfusion or zipfusion_v2)")
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
-  rows = [row for f in a.results for row in json.loads(pathlib.Path(f).read_text())["rows"]]
+  results = [json.loads(pathlib.Path(f).read_text()) for f in a.results]
+  devices = {r.get("device") for r in results}
+  if len(devices) != 1:  # a ratio across devices would pair one card's row with another's
+    raise SystemExit(f"results from different devices: {sorted(map(str, devices))}")
+  rows = [row for r in results for row in r["rows"]]
   parts = decompose(rows, a.system)
   print(markdown(parts))
   if a.out:

@@ -16,7 +16,7 @@ Every output is checked against the jnp reference first (`TOL`). Mixes:
   same items (the balanced grid carries the unused ones: its overhead).
 
 Writes {"device", "jax", "date", "rows": [{"mix", "kernel", "schedule", "batch", "max_length",
-"tokens", "time_us", "bytes_read", "max_error"}]}.
+"tokens", "time_us", "bytes_read", "max_error", "splits" (the grid schedule's; unused by the balanced one)}]}.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def ragged_problem(key, cfg, lengths):
   plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
   used_pages = int(np.sum(lengths // 16))  # completed pages each store holds for the sequences
   page_bytes = 2 * cfg.kv_heads * 16 * cfg.head_dim * 2  # K + V, BF16
-  tail_bytes = 2 * batch * cfg.kv_heads * 16 * cfg.head_dim * 2
+  tail_bytes = 2 * int(np.count_nonzero(lengths % 16)) * cfg.kv_heads * 16 * cfg.head_dim * 2  # tails the kernel reads
   comp_bytes = comp.arena.size + comp.group_meta.size * 4 + tail_bytes  # arena is sized to the pages
   return q, comp, plain, dict(compressed=comp_bytes, uncompressed=used_pages * page_bytes + tail_bytes)
 

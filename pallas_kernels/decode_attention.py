@@ -54,7 +54,7 @@ LOG2E = 1.4426950408889634
 REDUCE_SCRATCH = 2 * 4 * 32 * 2  # f32 words: two [8]-column reductions (4 warps x 32 lanes x 2 values) at once
 CTAS_PER_SM = 2  # the split heuristic's one-consumer target: two CTAs fit while ptxas needs <= 128 registers
 NUM_SMS = 132
-MIN_ITEM_PAGES = 4 * STEP_PAGES  # never fewer than 4 steps (16 pages) per split or work item
+MIN_ITEM_PAGES = 4 * STEP_PAGES  # the balanced schedule's item size is never planned below 4 steps (16 pages)
 SCHEDULES = ("grid", "balanced")
 
 
@@ -104,9 +104,10 @@ class DecodeConfig:
       every sequence gets `splits` equal page ranges of the cache's `max_pages` (a static grid
       (KV heads, B * splits); a short sequence's CTAs exit at once, a long one's take as long
       as its own range). "balanced": the wrapper plans the items from the lengths on the
-      device, like a paged-attention scheduler: one page count per item from the total
-      (about 90% of the CTA slots' worth of items, never below 4 steps), a sequence cut into
-      as many equal items as that needs, so a 128K sequence among short ones is spread over
+      device, like a paged-attention scheduler: one item size from the total (about 90% of
+      the CTA slots' worth of items; the size never planned below 4 steps, though a sequence
+      cut into equal parts or a short one gets smaller items), a sequence cut into as many
+      equal items as that needs, so a 128K sequence among short ones is spread over
       the GPU instead of `splits` CTAs (`splits` is then unused). The grid is (KV heads,
       items) with a static count of `items` (0: `target_items`, 90% of the CTA slots' worth
       per KV head) plus B; unused items do nothing.
@@ -626,7 +627,7 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
   used = b < batch
   bc = jnp.minimum(b, batch - 1)
   first = (w - (ends[bc] - count[bc])) * per_item[bc]
-  work = jnp.where(used[:, None], jnp.stack([bc, first, first + per_item[bc]], axis=1), jnp.array([-1, 0, 0]))
+  work = jnp.where(used[:, None], jnp.stack([bc, first, first + per_item[bc]], axis=1), jnp.array([-1, 0, 0], jnp.int32))
   return work, jnp.where(used, b, batch)
 
 
@@ -647,7 +648,7 @@ def _combine_items(o, lse2, item_slot, batch: int):
   used = (item_slot < batch)[:, None, None, None]
   lse2 = jnp.where(used, lse2, -jnp.inf)
   o = jnp.where(used[..., None], o, 0.0)
-  seg = lambda f, x: f(x, item_slot, num_segments=batch)  # drops item_slot == B
+  seg = lambda f, x: f(x, item_slot, num_segments=batch, indices_are_sorted=True)  # drops item_slot == B
   top = seg(jax.ops.segment_max, lse2.max(axis=2))  # [B, Hkv, G]
   top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
   w = jnp.exp2(lse2 - top_safe[jnp.minimum(item_slot, batch - 1)][:, :, None])  # [W, Hkv, C, G]

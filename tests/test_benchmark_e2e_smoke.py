@@ -220,3 +220,5 @@ def test_e2e_ratio_rejects_inconsistent_rows():
 
   with pytest.raises(ValueError, match="attention_ms < step_ms"):
     e2e_ratio.decompose([_row("zipfusion", 59, 1.0, 10.0, 12.0), _row("uncompressed", 46, 1.0, 24.3, 11.98)])
+  with pytest.raises(ValueError, match="measured twice"):
+    e2e_ratio.decompose([_row("zipfusion", 59, 1.0, 25.0, 12.0)] * 2 + [_row("uncompressed", 46, 1.0, 24.3, 11.98)])

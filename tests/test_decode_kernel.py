@@ -244,6 +244,7 @@ def test_balanced_items_cover_every_page_once_in_equal_whole_steps(lengths, kv_h
   b, first, end = work[used].T
   np.testing.assert_array_equal(b, item_slot[used])
   assert np.all(first % da.STEP_PAGES == 0) and np.all(end - first >= 1) and np.all((end - first) % da.STEP_PAGES == 0)
+  assert np.all(first < pages[b])  # no item lies wholly past its sequence
   covered = np.zeros((batch, pages.max(initial=0) + 1), int)
   for bi, f, e in zip(b, first, end):
     covered[bi, f: min(e, pages[bi])] += 1
@@ -284,9 +285,13 @@ def test_item_combine_equals_attention_over_all_tokens():
   items = [(0, 0, 10), (0, 10, 10), (0, 10, 40), (2, 0, 25), (0, 0, 0), (0, 0, 0)]
   item_slot = jnp.asarray([0, 0, 0, 2, batch, batch])
   parts = [attend(*it) for it in items]
-  o = jnp.stack([p[0] for p in parts])[:, :, None]  # [W, Hkv, C=1, G, D]
-  lse2 = jnp.stack([p[1] for p in parts])[:, :, None]
-  o = o.at[4].set(jnp.nan)  # an unused item's output is never read
+  # two consumers: item 2's tokens split between them as partials (10, 25) and (25, 40)
+  parts2 = [attend(0, 10, 25), attend(0, 25, 40)]
+  second = [(jnp.zeros_like(p[0]), jnp.full_like(p[1], -jnp.inf)) for p in parts]
+  parts[2], second[2] = parts2
+  o = jnp.stack([jnp.stack([p[0] for p in parts]), jnp.stack([p[0] for p in second])], axis=2)  # [W, Hkv, C=2, G, D]
+  lse2 = jnp.stack([jnp.stack([p[1] for p in parts]), jnp.stack([p[1] for p in second])], axis=2)
+  o, lse2 = o.at[4].set(jnp.nan), lse2.at[5].set(jnp.nan)  # an unused item's partials are never read
   got, got_lse2 = da._combine_items(o, lse2, item_slot, batch)
   for b, (lo, hi) in enumerate([(0, 40), (0, 0), (0, 25)]):
     want, want_lse2 = attend(b, lo, hi)
@@ -306,13 +311,14 @@ def test_balanced_schedule_lowers_to_one_mosaic_gpu_kernel(compressed):
   assert re.search(rf"tensor<{items}x2x1x128x8xf32>", text), "the grid is not (KV heads, target + B items)"
 
 
-def test_balanced_schedule_interpreted_matches_the_reference_and_both_stores_agree_bitwise():
+@pytest.mark.parametrize("kv_heads,consumers", [(1, 1), (2, 2)])
+def test_balanced_schedule_interpreted_matches_the_reference_and_both_stores_agree_bitwise(kv_heads, consumers):
   """Ragged lengths cut into several items (a 44-page sequence into 16-page items), an empty one."""
-  q, k, v, lengths = _interpreted_problem(3, 700, 1, 4, 64, [700, 37, 0])
+  q, k, v, lengths = _interpreted_problem(3, 700, kv_heads, 4, 64, [700, 37, 0])
   comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
   plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
-  cfg = da.DecodeConfig(schedule="balanced", items=4, stages=2)
-  work, _ = da._work_items(jnp.asarray(lengths), 1, comp.max_pages, cfg)
+  cfg = da.DecodeConfig(schedule="balanced", items=4, stages=2, consumers=consumers)
+  work, _ = da._work_items(jnp.asarray(lengths), kv_heads, comp.max_pages, cfg)
   assert [tuple(r) for r in np.asarray(work)] == [(0, 0, 16), (0, 16, 32), (0, 32, 48), (1, 0, 4)] + [(-1, 0, 0)] * 3
   outs = _interpreted_outputs(q, (comp, plain), plain, cfg)
   np.testing.assert_array_equal(outs[0], outs[1])
