@@ -1,6 +1,7 @@
 """Decode attention over ragged batches: the grid schedule against the balanced one (one device call).
 
   python -m benchmarks.ragged [--mixes one_long,uniform,equal_32x2048,equal_8x8192] [--items N] [--out FILE]
+  python -m benchmarks.ragged --plan [--mixes ...]   # no kernel: each schedule's items (any machine)
 
 Llama-3.1-8B attention shapes (32 q / 8 KV heads, D = 128, page 16), K/V from
 `benchmarks.attention.problem`'s generator at realistic eligibility. Per length mix, the fused
@@ -35,7 +36,7 @@ import zipfusion_jax as zf
 from benchmarks.compress import cupti_us
 from benchmarks.synthetic_kv import synthetic_blocks
 from models.configs import get_config
-from pallas_kernels.decode_attention import decode_attention_pallas, default_config
+from pallas_kernels.decode_attention import _work_items, decode_attention_pallas, default_config, heuristic_config
 
 TOL = 2e-2  # |out - reference| for O(1) outputs (bf16 P and output rounding), as fused_kernel_check
 
@@ -86,14 +87,39 @@ def run_mix(name, lengths, cfg, key, items=0):
   return rows
 
 
+def plan_rows(name, lengths, cfg, items=0):
+  """What each schedule asks of the GPU for `lengths` (no kernel runs): CTAs and the pages of the
+  longest one, which bounds the kernel once the other CTAs are done."""
+  pages = -(-lengths // 16)
+  rows = []
+  for schedule in ("grid", "balanced"):
+    c = dataclasses.replace(heuristic_config(len(lengths), cfg.kv_heads, int(pages.max()), True, schedule=schedule),
+                            items=items if schedule == "balanced" else 0)
+    work, _ = _work_items(jnp.asarray(lengths), cfg.kv_heads, int(pages.max()), c)
+    work = np.asarray(work)
+    b, first, end = work[work[:, 0] >= 0].T
+    per = np.maximum(np.minimum(end, pages[b]) - first, 0)
+    rows.append(dict(mix=name, schedule=schedule, batch=len(lengths), pages=int(pages.sum()),
+                     grid_items=int(work.shape[0]), ctas=int(cfg.kv_heads * len(b)),
+                     max_pages_per_cta=int(per.max(initial=0)), mean_pages_per_cta=float(per[per > 0].mean())))
+    r = rows[-1]
+    print(f"{name:14s} {schedule:8s} CTAs {r['ctas']:4d} (grid {cfg.kv_heads} x {r['grid_items']:3d})  "
+          f"longest CTA {r['max_pages_per_cta']:5d} pages  mean {r['mean_pages_per_cta']:7.1f}", flush=True)
+  return rows
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--mixes", default=",".join(MIXES))
   p.add_argument("--model", default="llama3.1-8b")
   p.add_argument("--items", type=int, default=0, help="balanced: work items per KV head (0: target_items)")
+  p.add_argument("--plan", action="store_true", help="print each schedule's work items; no kernel runs")
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
   cfg = get_config(a.model)
+  if a.plan:
+    return [row for name in a.mixes.split(",")
+            for row in plan_rows(name, MIXES[name](np.random.default_rng(0)).astype(np.int32), cfg, a.items)]
   result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
                 model=a.model, rows=[])
   for i, name in enumerate(a.mixes.split(",")):

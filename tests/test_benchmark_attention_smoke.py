@@ -32,3 +32,13 @@ def test_ragged_benchmark_rows(tmp_path):
   assert all(r["max_error"] <= ragged.TOL and r["time_us"] > 0 and r["tokens"] == 320 for r in rows)
   comp, plain = (next(r for r in rows if r["kernel"] == k) for k in ("zipfusion_compressed", "zipfusion_uncompressed"))
   assert comp["bytes_read"] < plain["bytes_read"]
+
+
+def test_ragged_plan_spreads_the_long_sequence():
+  """benchmarks.ragged --plan (no kernel): the balanced schedule's longest CTA is 16x shorter on one_long."""
+  from benchmarks import ragged
+
+  rows = {(r["mix"], r["schedule"]): r for r in ragged.main(["--plan", "--mixes", "one_long,equal_32x2048"])}
+  assert rows[("one_long", "grid")]["max_pages_per_cta"] == 32768 // 16
+  assert rows[("one_long", "balanced")]["max_pages_per_cta"] * 16 <= 32768 // 16
+  assert rows[("equal_32x2048", "balanced")]["ctas"] == rows[("equal_32x2048", "grid")]["ctas"] == 256
