@@ -14,6 +14,9 @@ mkdir -p "$out"
 # ragged batches under both schedules (~150 s), then step 0 below.
 timeout -s KILL 230 python3 -m benchmarks.fused_kernel_check --quick --skip-timing --sweep '[{"schedule":"balanced"}]' --out "$out/fused_kernel_schedule_check_h200.json" 2>&1 | grep -E "PASS|FAIL|Error" | cut -c1-300
 timeout -s KILL 230 python3 -m benchmarks.ragged --out "$out/ragged_h200.json" 2>&1 | grep -vE "Warning|^\s*$"
+# Then the engine with the balanced schedule at 32K, where the grid schedule's step did not shrink
+# with the running batch (batch_curve: 28.9 ms at 15 sequences, 28.1 at 4; 2026-12-06).
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 300 python3 -m benchmarks.e2e --models llama3.1-8b --contexts 32768 --systems zipfusion,uncompressed --decode-knobs '{"schedule":"balanced"}' --steps 256 --out "$out/e2e_llama_32k_balanced_h200.json" 2>&1 | grep --line-buffered -E "tok/s|note|memory"
 # 0. (Eleventh session, 2026-12-07.) The Mosaic GPU compressor on bulk copies (`tma`): on the H100
 # (this morning) 654.7 us per GiB with the tail unspecified (1.63 TB/s of input), 741.4 with the tail
 # zeroed in the kernel (the copy rate), the small-input check passed for both placements, and block
