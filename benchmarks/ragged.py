@@ -33,12 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import zipfusion_jax as zf
+from benchmarks.attention import synthetic_kv
 from benchmarks.compress import cupti_us
-from benchmarks.synthetic_kv import synthetic_blocks
+from benchmarks.fused_kernel_check import TOL  # |out - reference| for O(1) outputs
 from models.configs import get_config
 from pallas_kernels.decode_attention import _work_items, decode_attention_pallas, default_config, heuristic_config
 
-TOL = 2e-2  # |out - reference| for O(1) outputs (bf16 P and output rounding), as fused_kernel_check
 
 MIXES = {
     "one_long": lambda rng: np.array([32768] + [1024] * 31),
@@ -51,10 +51,8 @@ MIXES = {
 
 def ragged_problem(key, cfg, lengths):
   """q, both caches (12-bit format 1, BF16 pages) and their stored bytes for `lengths`."""
-  batch, seq = len(lengths), int(lengths.max())
-  n = batch * seq * cfg.kv_heads * cfg.head_dim // 512
-  k, v = (synthetic_blocks(jax.random.fold_in(key, i), n).reshape(batch, seq, cfg.kv_heads, cfg.head_dim)
-          for i in range(2))
+  batch, seq = len(lengths), -(-int(lengths.max()) // 16) * 16  # whole pages: the generator fills pages
+  k, v = synthetic_kv(key, batch, seq, cfg.kv_heads, cfg.head_dim)  # the format's blocks at real-KV eligibility
   q = jax.random.normal(jax.random.fold_in(key, 2), (batch, cfg.q_heads, cfg.head_dim), jnp.bfloat16)
   comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
   plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)

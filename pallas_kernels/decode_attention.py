@@ -203,27 +203,27 @@ def default_config(cache: PagedKVCache, schedule: str = "grid") -> DecodeConfig:
                           version=cache.format_version or 1, schedule=schedule)
 
 
-def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref, *refs,
+def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
             compressed, version, head_dim, kv_heads, row_stride, max_pages, grid_pages, scale, stages,
             timing_probe, warp_issue, consumer_registers, consumers, v_after_qk, max_registers, interpret):
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
       rows past the end; lengths_ref: i32 [B]; page_table_ref: i32 [B, MP];
-    work_ref: i32 [3 W]: work item w is (sequence b, first page, end page) at 3w (`_work_items`,
-      flat: scalar loads with one dynamic index, as `lengths_ref[b]`);
-      b = -1 marks an unused item: its CTA returns at once and writes no partial. With
-      `grid_pages` (the grid schedule's pages per split) the kernel computes the same row from
-      its program id instead (item s * B + b), so no load stands before its first copies;
     k_tail_ref, v_tail_ref: bf16 [B, Hkv, 16, D], or (compressed, restored in registers) the
       same bytes as uint8 [B, Hkv, 4 * nb, 256]: one byte-stage slot, where the tail page lands;
     compressed: arena_ref u8 [U, 256], meta_ref u32 [Hkv, P, 2, 2] (format version 2: [Hkv, P, 2, 4]);
     else: k_pages_ref, v_pages_ref bf16 [Hkv, P, 16, D];
+    work_ref (balanced schedule only): i32 [3 W]: work item w is (sequence b, first page, end
+      page) at 3w (`_work_items`; flat: scalar loads with one dynamic index, as `lengths_ref[b]`);
+      b = -1 marks an unused item: its CTA returns at once and writes no partial. The grid
+      schedule (`grid_pages`, its pages per split) has no table: the kernel computes the row from
+      its program id (item s * B + b), so no load stands before its first copies;
     o_ref: f32 [W, Hkv, consumers, D, 8] (O^T; columns >= G unused);
     lse_ref: f32 [W, Hkv, consumers, 16, 8] (log2 domain, every row the same).
   Consumer c of work item w writes partial (w, c).
   """
-  store_a, store_b, o_ref, lse_ref, scoped = refs
+  store_a, store_b, *work, o_ref, lse_ref, scoped = refs  # work: [] (grid) or [work_ref] (balanced)
   nb = head_dim // 32
   kvh, item = lax.axis_index("h"), lax.axis_index("w")
   if grid_pages:  # grid schedule: item = split * B + b
@@ -232,6 +232,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, work_ref, k_tail_ref, v_tail_ref
     first_page = lax.div(item, batch) * grid_pages
     item_end = first_page + grid_pages
   else:
+    (work_ref,) = work
     b = work_ref[3 * item]  # -1: an unused item (balanced schedule), which does nothing at all
     used = b >= 0
     b = jnp.maximum(b, 0)
@@ -523,7 +524,11 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   nb = head_dim // 32
   stages, consumers = config.stages, config.consumers
   max_pages = cache.max_pages
-  work, item_slot = _work_items(cache.lengths, kv_heads, max_pages, config)
+  if config.schedule == "grid":  # the kernel derives its rows from the program id: no table
+    work, item_slot, num_items = (), None, batch * config.splits
+  else:
+    table, item_slot = _work_items(cache.lengths, kv_heads, max_pages, config)
+    work, num_items = (table.reshape(-1),), table.shape[0]
   stores = (cache.arena, cache.group_meta) if cache.compressed else (cache.k_pages, cache.v_pages)
   version = cache.format_version or 1
   in_registers = cache.compressed and not interpret
@@ -573,16 +578,16 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   o, lse = plgpu.kernel(
       entry,
       out_type=(
-          jax.ShapeDtypeStruct((work.shape[0], kv_heads, consumers, head_dim, QROWS), jnp.float32),
-          jax.ShapeDtypeStruct((work.shape[0], kv_heads, consumers, LSE_ROWS, QROWS), jnp.float32),
+          jax.ShapeDtypeStruct((num_items, kv_heads, consumers, head_dim, QROWS), jnp.float32),
+          jax.ShapeDtypeStruct((num_items, kv_heads, consumers, LSE_ROWS, QROWS), jnp.float32),
       ),
-      grid=(kv_heads, work.shape[0]),  # KV heads fastest, then items: the grid schedule's (h, b, s) order
+      grid=(kv_heads, num_items),  # KV heads fastest, then items: the grid schedule's (h, b, s) order
       grid_names=("h", "w"),
       num_threads=consumers + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
-  )(q_rows, cache.lengths, cache.page_table, work.reshape(-1), *tails, *stores)
+  )(q_rows, cache.lengths, cache.page_table, *tails, *stores, *work)
   o, lse2 = jnp.swapaxes(o, 3, 4)[..., :group, :], lse[..., 0, :group]  # [W, Hkv, C, G, D], [W, Hkv, C, G]
   if item_slot is None:  # grid: item s * B + b -> partials [B, Hkv, splits * C] (split-major)
     regroup = lambda x: jnp.moveaxis(x.reshape(config.splits, batch, *x.shape[1:]), 0, 2).reshape(
@@ -601,7 +606,8 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
   int32 [W] with B for an unused item, or None for the grid schedule).
 
   grid: item s * B + b is split s of sequence b, `pages_per_split` pages of the cache's
-  `max_pages + 1` (static, as before: B * splits items).
+  `max_pages + 1` (static, as before: B * splits items). The kernel computes these rows from its
+  program id; the table is what `benchmarks.ragged --plan` and the tests read.
   balanced (on the device, from `lengths`): with T the batch's pages (tail pages included), each
   item holds about c = max(16, ceil(T / W0)) pages (rounded up to whole steps), W0 =
   `config.items` or `target_items(kv_heads, consumers)`; sequence b gets n_b = ceil(p_b / c) items of equal size
@@ -642,6 +648,20 @@ def target_items(kv_heads: int, consumers: int = 1) -> int:
   return max(1, math.ceil(0.9 * slots / kv_heads))
 
 
+def _merge_partials(o, lse2, max_over, sum_over, spread):
+  """Normalised partials and their log2-sum-exp merged: `max_over` / `sum_over` reduce the partials
+  axis (axes) away, `spread` broadcasts a reduced value back over it. A group with no finite
+  partial gets 0 and -inf. Shared by `_combine` (splits: an array axis) and `_combine_items`
+  (work items: segments)."""
+  top = max_over(lse2)
+  top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.exp2(lse2 - spread(top_safe))
+  total = sum_over(w)
+  out = sum_over(w[..., None] * o) / jnp.where(total == 0, 1.0, total)[..., None]
+  lse = jnp.where(total == 0, -jnp.inf, top_safe + jnp.log2(jnp.where(total == 0, 1.0, total)))
+  return out, lse
+
+
 def _combine_items(o, lse2, item_slot, batch: int):
   """Merge work-item partials by sequence: o f32 [W, Hkv, C, G, D], lse2 f32 [W, Hkv, C, G], item_slot
   int32 [W] (B: unused) -> ([B, Hkv, G, D], [B, Hkv, G]); a sequence with no item gets 0 and -inf."""
@@ -649,26 +669,17 @@ def _combine_items(o, lse2, item_slot, batch: int):
   lse2 = jnp.where(used, lse2, -jnp.inf)
   o = jnp.where(used[..., None], o, 0.0)
   seg = lambda f, x: f(x, item_slot, num_segments=batch, indices_are_sorted=True)  # drops item_slot == B
-  top = seg(jax.ops.segment_max, lse2.max(axis=2))  # [B, Hkv, G]
-  top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
-  w = jnp.exp2(lse2 - top_safe[jnp.minimum(item_slot, batch - 1)][:, :, None])  # [W, Hkv, C, G]
-  total = seg(jax.ops.segment_sum, w.sum(axis=2))
-  out = seg(jax.ops.segment_sum, jnp.sum(w[..., None] * o, axis=2)) / jnp.where(total == 0, 1.0, total)[..., None]
-  lse = jnp.where(total == 0, -jnp.inf, top_safe + jnp.log2(jnp.where(total == 0, 1.0, total)))
-  return out, lse
+  return _merge_partials(o, lse2, max_over=lambda x: seg(jax.ops.segment_max, x.max(axis=2)),
+                         sum_over=lambda x: seg(jax.ops.segment_sum, x.sum(axis=2)),
+                         spread=lambda t: t[jnp.minimum(item_slot, batch - 1)][:, :, None])
 
 
 def _combine(o, lse2):
   """Merge split partials: o f32 [B, Hkv, S, G, D], lse2 f32 [B, Hkv, S, G] -> ([B, Hkv, G, D], [B, Hkv, G])."""
   if o.shape[2] == 1:
     return o[:, :, 0], lse2[:, :, 0]
-  top = jnp.max(lse2, axis=2, keepdims=True)
-  top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
-  w = jnp.exp2(lse2 - top_safe)
-  total = jnp.sum(w, axis=2)
-  out = jnp.sum(w[..., None] * o, axis=2) / jnp.where(total == 0, 1.0, total)[..., None]
-  lse = jnp.where(total == 0, -jnp.inf, top_safe[:, :, 0] + jnp.log2(jnp.where(total == 0, 1.0, total)))
-  return out, lse
+  return _merge_partials(o, lse2, max_over=lambda x: x.max(axis=2), sum_over=lambda x: x.sum(axis=2),
+                         spread=lambda t: t[:, :, None])
 
 
 def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: DecodeConfig | None = None,
