@@ -145,9 +145,12 @@ def run_shape(key, cfg, batch, context):
     # Reference paths must be exact; bf16 peers round P and partial sums (outputs are O(1)).
     tol = 0.0 if name.startswith(("zipfusion_reference", "decompress_then_attend_jnp")) else 0.125
     assert err <= tol, f"{name}: max |out - reference| = {err} > {tol}"
-    t, _ = cupti_us(f, *args)
-    rows.append(dict(kernel=name, model=cfg.name, batch=batch, context=context, time_us=t, bytes_read=int(nbytes), max_abs_err=err))
+    t, kernels = cupti_us(f, *args)  # kernels: each kernel's time in the last iteration (the fused call's own share)
+    rows.append(dict(kernel=name, model=cfg.name, batch=batch, context=context, time_us=t, bytes_read=int(nbytes), max_abs_err=err,
+                     kernels=kernels))
     print(f"{name:34s} B={batch:4d} S={context:6d} {t:9.1f} us  {nbytes / t / 1e6:6.2f} TB/s  err {err:.1e}", flush=True)
+    if len(kernels) > 1 and name in ("zipfusion_compressed", "zipfusion_uncompressed", "cudnn_dense"):
+      print("    " + "; ".join(k[:70] for k in kernels), flush=True)
   same = np.array_equal(np.asarray(outs["zipfusion_reference_compressed"]).view(np.uint16), np.asarray(ref).view(np.uint16))
   if "zipfusion_compressed" in outs:  # the fused kernel: compressed and BF16 pages give the same bits
     for name in ("zipfusion_compressed", "zipfusion_compressed_v2"):
