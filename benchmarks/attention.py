@@ -37,6 +37,7 @@ from pallas_kernels.decompress import DecompressConfig, restore_pages_pallas
 from zipfusion_jax.format import block as B
 from zipfusion_jax.format import codec, layout
 
+BF16_TOL = 0.125  # |out - reference| of the bf16 kernels on this generator's K/V (outputs O(1); measured 0.004-0.06)
 SHAPES = ((32, 2048), (8, 8192), (64, 4096), (1, 32768), (128, 1024))
 EXPERIMENTAL = {"restore_pages_pallas_scatter"}  # reported as failed, not raised, if they do not run
 
@@ -143,7 +144,7 @@ def run_shape(key, cfg, batch, context):
       out = ref
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
     # Reference paths must be exact; bf16 peers round P and partial sums (outputs are O(1)).
-    tol = 0.0 if name.startswith(("zipfusion_reference", "decompress_then_attend_jnp")) else 0.125
+    tol = 0.0 if name.startswith(("zipfusion_reference", "decompress_then_attend_jnp")) else BF16_TOL
     assert err <= tol, f"{name}: max |out - reference| = {err} > {tol}"
     t, kernels = cupti_us(f, *args)  # kernels: each kernel's time in the last iteration (the fused call's own share)
     rows.append(dict(kernel=name, model=cfg.name, batch=batch, context=context, time_us=t, bytes_read=int(nbytes), max_abs_err=err,

@@ -594,7 +594,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
         batch, kv_heads, config.splits * consumers, *x.shape[3:])
     out, lse2 = _combine(regroup(o), regroup(lse2))
   else:
-    out, lse2 = _combine_items(o, lse2, item_slot, batch)
+    out, lse2 = _combine_items(o, lse2, item_slot, batch, _max_items_per_sequence(kv_heads, max_pages, config))
   out = out.reshape(batch, q_heads, head_dim).astype(jnp.bfloat16)
   if return_lse:
     return out, (lse2 * math.log(2.0)).reshape(batch, q_heads)
@@ -629,7 +629,9 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
   count = -(-pages // jnp.maximum(per_item, 1))  # [B], 0 for an empty sequence
   ends = jnp.cumsum(count)
   w = jnp.arange(target + batch, dtype=jnp.int32)
-  b = jnp.searchsorted(ends, w, side="right").astype(jnp.int32)  # B past the last used item
+  # Sequence of item w: how many sequences end at or before it (B past the last used item). One
+  # compare-and-count fusion: `searchsorted`'s default is a loop of small kernels on the GPU.
+  b = jnp.sum(ends[None, :] <= w[:, None], axis=1, dtype=jnp.int32)
   used = b < batch
   bc = jnp.minimum(b, batch - 1)
   first = (w - (ends[bc] - count[bc])) * per_item[bc]
@@ -662,16 +664,34 @@ def _merge_partials(o, lse2, max_over, sum_over, spread):
   return out, lse
 
 
-def _combine_items(o, lse2, item_slot, batch: int):
+def _combine_items(o, lse2, item_slot, batch: int, max_items: int | None = None):
   """Merge work-item partials by sequence: o f32 [W, Hkv, C, G, D], lse2 f32 [W, Hkv, C, G], item_slot
-  int32 [W] (B: unused) -> ([B, Hkv, G, D], [B, Hkv, G]); a sequence with no item gets 0 and -inf."""
-  used = (item_slot < batch)[:, None, None, None]
-  lse2 = jnp.where(used, lse2, -jnp.inf)
-  o = jnp.where(used[..., None], o, 0.0)
-  seg = lambda f, x: f(x, item_slot, num_segments=batch, indices_are_sorted=True)  # drops item_slot == B
-  return _merge_partials(o, lse2, max_over=lambda x: seg(jax.ops.segment_max, x.max(axis=2)),
-                         sum_over=lambda x: seg(jax.ops.segment_sum, x.sum(axis=2)),
-                         spread=lambda t: t[jnp.minimum(item_slot, batch - 1)][:, :, None])
+  int32 [W] (sorted; B: unused) -> ([B, Hkv, G, D], [B, Hkv, G]); a sequence with no item gets 0
+  and -inf. `max_items` (static): a bound on any sequence's item count (None: W).
+
+  A sequence's items are consecutive, so each gathers its (at most `max_items`) partials into a
+  dense [B, max_items] block and reduces it: a gather and masked reductions, which XLA fuses into
+  a few kernels. (Segment ops were scatters, each with its own initialising kernel: at these sizes
+  their launches cost more than the data.)"""
+  num_items = item_slot.shape[0]
+  k = num_items if max_items is None else min(max_items, num_items)
+  seqs = jnp.arange(batch, dtype=item_slot.dtype)[:, None]
+  first = jnp.sum(item_slot[None, :] < seqs, axis=1)  # [B]: the sequence's first item
+  count = jnp.sum(item_slot[None, :] == seqs, axis=1)  # [B]
+  slot = jnp.arange(k, dtype=first.dtype)[None, :]
+  index = jnp.minimum(first[:, None] + slot, num_items - 1)  # [B, k]
+  valid = (slot < count[:, None])[:, :, None, None, None]  # [B, k, 1, 1, 1]
+  lse2 = jnp.where(valid, lse2[index], -jnp.inf)  # [B, k, Hkv, C, G]; unused or foreign items never read
+  drop = lambda x: jnp.where(valid if x.ndim == 5 else valid[..., None], x, 0.0)  # 0 * NaN must not enter
+  return _merge_partials(o[index], lse2, max_over=lambda x: x.max(axis=(1, 3)),
+                         sum_over=lambda x: drop(x).sum(axis=(1, 3)), spread=lambda t: t[:, None, :, None])
+
+
+def _max_items_per_sequence(kv_heads: int, max_pages: int, config: DecodeConfig) -> int:
+  """A static bound on one sequence's balanced items (`_work_items`): it has <= max_pages + 1 pages
+  and items of >= MIN_ITEM_PAGES, and ceil(p_b / c) <= target since c >= T / target >= p_b / target."""
+  target = config.items or target_items(kv_heads, config.consumers)
+  return max(1, min(-(-(max_pages + 1) // MIN_ITEM_PAGES), target))
 
 
 def _combine(o, lse2):
