@@ -104,14 +104,13 @@ class DecodeConfig:
       every sequence gets `splits` equal page ranges of the cache's `max_pages` (a static grid
       (KV heads, B * splits); a short sequence's CTAs exit at once, a long one's take as long
       as its own range). "balanced": the wrapper plans the items from the lengths on the
-      device, like a paged-attention scheduler: one item size from the total (about 90% of
-      the CTA slots' worth of items; the size never planned below 4 steps, though a sequence
-      cut into equal parts or a short one gets smaller items), a sequence cut into as many
-      equal items as that needs, so a 128K sequence among short ones is spread over
-      the GPU instead of `splits` CTAs (`splits` is then unused). The grid is (KV heads,
-      items) with a static count of `items` (0: `target_items`, 90% of the CTA slots' worth
-      per KV head) plus B; unused items do nothing.
-    items: the balanced schedule's target work items per KV head (0: `target_items`).
+      device, like a paged-attention scheduler: one item size for the batch (`_item_pages`:
+      the size whose items finish soonest in waves of the GPU's CTA slots, never below 4
+      steps), each sequence cut into as many equal items as that needs, so a 128K sequence
+      among short ones is spread over the GPU instead of `splits` CTAs (`splits` is then
+      unused). The grid is (KV heads, `items` + B) (`items` 0: `target_items`, two waves of
+      CTA slots per KV head); unused items do nothing.
+    items: the balanced schedule's item budget per KV head beyond one per sequence (0: `target_items`).
     timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
       waits for and releases each stage (the producer's copy rate), "compute" = the producer
       issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
@@ -594,7 +593,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
         batch, kv_heads, config.splits * consumers, *x.shape[3:])
     out, lse2 = _combine(regroup(o), regroup(lse2))
   else:
-    out, lse2 = _combine_items(o, lse2, item_slot, batch, _max_items_per_sequence(kv_heads, max_pages, config))
+    out, lse2 = _combine_items(o, lse2, item_slot, batch, _max_items_per_sequence(batch, kv_heads, max_pages, config))
   out = out.reshape(batch, q_heads, head_dim).astype(jnp.bfloat16)
   if return_lse:
     return out, (lse2 * math.log(2.0)).reshape(batch, q_heads)
@@ -608,12 +607,13 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
   grid: item s * B + b is split s of sequence b, `pages_per_split` pages of the cache's
   `max_pages + 1` (static, as before: B * splits items). The kernel computes these rows from its
   program id; the table is what `benchmarks.ragged --plan` and the tests read.
-  balanced (on the device, from `lengths`): with T the batch's pages (tail pages included), each
-  item holds about c = max(16, ceil(T / W0)) pages (rounded up to whole steps), W0 =
-  `config.items` or `target_items(kv_heads, consumers)`; sequence b gets n_b = ceil(p_b / c) items of equal size
-  (rounded up to whole steps), in sequence order. sum(n_b) <= T / c + B <= W0 + B, the static
-  item count; the rest are unused: (-1, 0, 0), whose CTAs return at once (no Q copy, no output
-  write; an unused CTA costs its launch and one load), and `_combine_items` drops them.
+  balanced (on the device, from `lengths`): an item size c (`_item_pages`: whole steps, >= 16 pages,
+  the size whose items finish soonest in waves of the GPU's CTA slots), and sequence b cut into
+  n_b = ceil(p_b / c) items of equal size (rounded up to whole steps), in sequence order. The
+  static item count is W = `config.items` (0: `target_items`, two waves' worth per KV head) + B,
+  and c is chosen among the sizes whose items fit it; the rest are unused: (-1, 0, 0), whose CTAs
+  return at once (no Q copy, no output write; an unused CTA costs its launch and one load), and
+  `_combine_items` drops them.
   """
   batch = lengths.shape[0]
   if config.schedule == "grid":
@@ -623,12 +623,12 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
     return jnp.stack([b, first, first + pages_per_split], axis=1), None
   steps_up = lambda x: -(-x // STEP_PAGES) * STEP_PAGES
   pages = (lengths.astype(jnp.int32) + PAGE_SIZE - 1) // PAGE_SIZE  # [B], the tail page included
-  target = config.items or target_items(kv_heads, config.consumers)
-  chunk = jnp.maximum(MIN_ITEM_PAGES, steps_up(-(-jnp.sum(pages) // target)))
+  num_items = (config.items or target_items(kv_heads, config.consumers)) + batch  # static rows per KV head
+  chunk = _item_pages(pages, kv_heads, max_pages, num_items, config.consumers)
   per_item = steps_up(-(-pages // jnp.maximum(-(-pages // chunk), 1)))  # equal items of whole steps
   count = -(-pages // jnp.maximum(per_item, 1))  # [B], 0 for an empty sequence
   ends = jnp.cumsum(count)
-  w = jnp.arange(target + batch, dtype=jnp.int32)
+  w = jnp.arange(num_items, dtype=jnp.int32)
   # Sequence of item w: how many sequences end at or before it (B past the last used item). One
   # compare-and-count fusion: `searchsorted`'s default is a loop of small kernels on the GPU.
   b = jnp.sum(ends[None, :] <= w[:, None], axis=1, dtype=jnp.int32)
@@ -645,9 +645,36 @@ def _grid_pages(max_pages: int, config: DecodeConfig) -> int:
 
 
 def target_items(kv_heads: int, consumers: int = 1) -> int:
-  """Work items per KV head the balanced schedule aims at: 90% of the GPU's CTA slots."""
+  """The balanced schedule's item budget per KV head beyond one per sequence: two waves of the GPU's
+  CTA slots (the static grid is this + B items per KV head)."""
   slots = (CTAS_PER_SM if consumers == 1 else 1) * NUM_SMS
-  return max(1, math.ceil(0.9 * slots / kv_heads))
+  return max(1, math.ceil(2 * slots / kv_heads))
+
+
+ITEM_OVERHEAD_PAGES = 4 * STEP_PAGES  # an item's fixed cost (prologue, pipeline fill, epilogue, its combine
+# share) in pages streamed: H200, 2026-12-04, 32 x 2048 at 1 / 2 / 4 splits (1 / 2 / 4 waves of 128 / 64 /
+# 32-page items) ran 56.8 / 64.9 / 71.7 us, which a wave model fits with 12-20 pages per item.
+
+
+def _item_pages(pages, kv_heads: int, max_pages: int, num_items: int, consumers: int = 1):
+  """The balanced schedule's item size in pages (an int32 scalar, on the device) for sequences of
+  `pages` int32 [B] pages. Candidates: the longest sequence cut into n equal whole-step items, n =
+  1, 2, ... (sizes >= MIN_ITEM_PAGES); the choice is the one whose items finish soonest if each
+  wave of the GPU's CTA slots takes (size + ITEM_OVERHEAD_PAGES): cost = ceil(Hkv * items /
+  slots) * (size + overhead), items = sum_b ceil(p_b / size) <= `num_items`; ties go to the larger
+  size (fewer items). One fusion of a [candidates, B] compare-and-sum: no loop.
+
+  Equal lengths get the grid heuristic's items (32 x 2048: one 128-page item per sequence; 8 x
+  8192: four of 128 pages); one 32K sequence among 31 of 1K gets 64-page items, not one CTA per
+  KV head."""
+  steps_up = lambda x: -(-x // STEP_PAGES) * STEP_PAGES
+  n = jnp.arange(1, min(-(-(max_pages + 1) // MIN_ITEM_PAGES), 1024) + 1, dtype=jnp.int32)  # static candidates
+  sizes = jnp.maximum(MIN_ITEM_PAGES, steps_up(-(-jnp.max(pages, initial=0) // n)))  # [n], non-increasing
+  items = jnp.sum(-(-pages[None, :] // sizes[:, None]), axis=1)  # [n]
+  slots = (CTAS_PER_SM if consumers == 1 else 1) * NUM_SMS
+  waves = -(-items * kv_heads // slots)
+  cost = jnp.where(items <= num_items, waves * (sizes + ITEM_OVERHEAD_PAGES), jnp.iinfo(jnp.int32).max)
+  return sizes[jnp.argmin(cost)]  # the first minimum: the largest size among equals
 
 
 def _merge_partials(o, lse2, max_over, sum_over, spread):
@@ -687,11 +714,11 @@ def _combine_items(o, lse2, item_slot, batch: int, max_items: int | None = None)
                          sum_over=lambda x: drop(x).sum(axis=(1, 3)), spread=lambda t: t[:, None, :, None])
 
 
-def _max_items_per_sequence(kv_heads: int, max_pages: int, config: DecodeConfig) -> int:
+def _max_items_per_sequence(batch: int, kv_heads: int, max_pages: int, config: DecodeConfig) -> int:
   """A static bound on one sequence's balanced items (`_work_items`): it has <= max_pages + 1 pages
-  and items of >= MIN_ITEM_PAGES, and ceil(p_b / c) <= target since c >= T / target >= p_b / target."""
-  target = config.items or target_items(kv_heads, config.consumers)
-  return max(1, min(-(-(max_pages + 1) // MIN_ITEM_PAGES), target))
+  in items of >= MIN_ITEM_PAGES, and all items fit the grid's `items` + B rows."""
+  rows = (config.items or target_items(kv_heads, config.consumers)) + batch
+  return max(1, min(-(-(max_pages + 1) // MIN_ITEM_PAGES), rows))
 
 
 def _combine(o, lse2):

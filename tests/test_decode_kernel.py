@@ -223,6 +223,22 @@ def test_two_consumers_interpreted_match_the_reference_and_both_stores_agree_bit
   assert np.all(outs[0][lengths == 0] == 0)
 
 
+def _item_pages_oracle(pages, kv_heads, max_pages, num_items):
+  """The balanced item size by its rule, in plain Python: the longest sequence cut into n equal
+  whole-step items (>= 16 pages) for every n; of the sizes whose items fit `num_items`, the one with
+  the fewest waves of 264 CTA slots times (size + 16 pages), the largest on ties."""
+  best = None
+  for n in range(1, -(-(max_pages + 1) // 16) + 1):
+    size = max(16, -(-(-(-int(pages.max(initial=0)) // n)) // 4) * 4)
+    items = sum(-(-int(p) // size) for p in pages)
+    if items > num_items:
+      continue
+    cost = -(-items * kv_heads // 264) * (size + 16)
+    if best is None or cost < best[0] or (cost == best[0] and size > best[1]):
+      best = (cost, size)
+  return best[1]
+
+
 @pytest.mark.parametrize("lengths,kv_heads,items", [
     ([131072] + [1000] * 31, 8, 0),  # one long sequence among short ones
     ([2048] * 32, 8, 0), ([8192] * 8, 8, 0), ([0, 0, 5], 2, 0), ([0] * 4, 8, 0), ([700, 37, 0], 1, 4),
@@ -249,12 +265,13 @@ def test_balanced_items_cover_every_page_once_in_equal_whole_steps(lengths, kv_h
   for bi, f, e in zip(b, first, end):
     covered[bi, f: min(e, pages[bi])] += 1
   np.testing.assert_array_equal(covered, np.arange(covered.shape[1])[None] < pages[:, None])  # every page once
-  chunk = max(da.MIN_ITEM_PAGES, -(-(-(-pages.sum() // target)) // 4) * 4)
-  assert np.all(end - first <= chunk)  # no item longer than the planned chunk
+  chunk = _item_pages_oracle(pages, kv_heads, 8192, target + batch)
+  assert int(da._item_pages(jnp.asarray(pages), kv_heads, 8192, target + batch)) == chunk
+  assert np.all(end - first <= chunk)  # no item longer than the planned size
   for bi in set(b):  # a sequence's items are equal (the last one clamped by the length)
     assert len(set((end - first)[b == bi])) == 1
   # the combine gathers at most this many items per sequence
-  assert np.bincount(b, minlength=batch).max(initial=0) <= da._max_items_per_sequence(kv_heads, 8192, cfg)
+  assert np.bincount(b, minlength=batch).max(initial=0) <= da._max_items_per_sequence(batch, kv_heads, 8192, cfg)
   if len(set(lengths)) == 1 and lengths[0] > 0:  # equal lengths: as many items as the grid heuristic's splits
     assert used.sum() == batch * da.heuristic_config(batch, kv_heads, int(pages[0])).splits
 
