@@ -12,7 +12,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
 gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-echo "device: $gpu ($(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null || echo tree))"
+echo "device: $gpu ($(date -u +%FT%TZ))"
 tag=h100; [[ "$gpu" == *H200* ]] && tag=h200
 steps=("$@")
 if [[ ${#steps[@]} == 0 ]]; then
