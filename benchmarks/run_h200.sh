@@ -10,8 +10,10 @@ out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
 # 00. (Twelfth session, 2026-12-07.) The fused kernel now reads a work table (grid (KV heads, items));
 # the grid schedule derives its rows from the program id as before, `schedule="balanced"` plans
-# items from the lengths. Neither has run on a GPU yet: correctness of both first (~200 s), then
-# ragged batches under both schedules (~150 s), then step 0 below.
+# items from the lengths. On the H100 (thirteenth session) both passed all 14 cases and the target
+# shapes kept their speed; on the H200 neither has run: correctness of both first (~200 s), then
+# ragged batches under both schedules (~150 s; the matrix-product combine is untimed anywhere),
+# then step 0 below. `benchmarks/run_priority.sh` runs these steps by name.
 timeout -s KILL 230 python3 -m benchmarks.fused_kernel_check --quick --skip-timing --sweep '[{"schedule":"balanced"}]' --out "$out/fused_kernel_schedule_check_h200.json" 2>&1 | grep -E "PASS|FAIL|Error" | cut -c1-300
 timeout -s KILL 230 python3 -m benchmarks.ragged --out "$out/ragged_h200.json" 2>&1 | grep -vE "Warning|^\s*$"
 # Then the engine with the balanced schedule at 32K, where the grid schedule's step did not shrink
