@@ -7,8 +7,9 @@ Llama-3.1-8B attention shapes (32 q / 8 KV heads, D = 128, page 16), K/V from
 `benchmarks.attention.problem`'s generator at realistic eligibility. Per length mix, the fused
 kernel on the 12-bit store (format 1) and on BF16 pages, each under its default config
 (`default_config`: the grid schedule, splits from the slot count and `max_pages`) and under the
-same config with `schedule="balanced"` (work items planned from the lengths), all timed in the
-same run (CUPTI kernel time, median of 10: the balanced plan's few small jnp ops included).
+same config with `schedule="balanced"` (work items planned from the lengths on the device, and
+`balanced_host`: planned on the host beforehand, `host_work_items`), all timed in the same run
+(CUPTI kernel time, median of 10: the device plan's few small jnp ops included).
 Every output is checked against the jnp reference first (`attention.BF16_TOL`, as for
 `benchmarks.attention`'s rows on the same generator). Mixes:
 
@@ -38,7 +39,8 @@ import zipfusion_jax as zf
 from benchmarks.attention import BF16_TOL, synthetic_kv  # the same generator, so its tolerance
 from benchmarks.compress import cupti_us
 from models.configs import get_config
-from pallas_kernels.decode_attention import _work_items, decode_attention_pallas, default_config, heuristic_config
+from pallas_kernels.decode_attention import (_work_items, decode_attention_pallas, default_config, heuristic_config,
+                                             host_work_items)
 
 
 MIXES = {
@@ -78,13 +80,18 @@ def run_mix(name, lengths, cfg, key, items=0):
   ref = zf.paged_decode_attention(q, plain, impl="reference").astype(jnp.float32)
   rows = []
   for path, cache in (("zipfusion_compressed", comp), ("zipfusion_uncompressed", plain)):
-    for schedule in ("grid", "balanced"):
-      c = dataclasses.replace(default_config(cache, schedule), items=items if schedule == "balanced" else 0)
-      f = jax.jit(lambda q, cache, c=c: decode_attention_pallas(q, cache, scale, config=c))
-      err = float(jnp.max(jnp.abs(f(q, cache).astype(jnp.float32) - ref)))
+    for schedule in ("grid", "balanced", "balanced_host"):
+      c = dataclasses.replace(default_config(cache, schedule.removesuffix("_host")),
+                              items=items if schedule != "grid" else 0)
+      # balanced_host: the items planned on the host beforehand (as a serving engine would), so
+      # only the kernel and the combine run on the GPU
+      work = (tuple(map(jnp.asarray, host_work_items(lengths, cfg.kv_heads, cache.max_pages, c)))
+              if schedule == "balanced_host" else None)
+      f = jax.jit(lambda q, cache, work, c=c: decode_attention_pallas(q, cache, scale, config=c, work=work))
+      err = float(jnp.max(jnp.abs(f(q, cache, work).astype(jnp.float32) - ref)))
       if not err <= BF16_TOL:
         raise AssertionError(f"{name} {path} {schedule}: max error {err} > {BF16_TOL}")
-      t, kernels = cupti_us(f, q, cache)  # kernels: the last iteration's per-kernel times (plan, kernel, combine)
+      t, kernels = cupti_us(f, q, cache, work)  # kernels: the last iteration's per-kernel times (plan, kernel, combine)
       kind = path.split("_")[1]
       rows.append(dict(mix=name, kernel=path, schedule=schedule, batch=len(lengths), max_length=int(lengths.max()),
                        tokens=int(lengths.sum()), time_us=t, bytes_read=int(nbytes[kind]), max_error=err,

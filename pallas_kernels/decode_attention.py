@@ -33,6 +33,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -516,7 +517,7 @@ _TILE = plgpu.RefType(transforms=_TRANSFORMS)  # a [64, D] BF16 tile
 
 
 def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig, return_lse: bool,
-                      interpret: bool = False):
+                      interpret: bool = False, work=None):
   batch, q_heads, head_dim = q.shape
   kv_heads = cache.num_kv_heads
   group = q_heads // kv_heads
@@ -526,7 +527,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   if config.schedule == "grid":  # the kernel derives its rows from the program id: no table
     work, item_slot, num_items = (), None, batch * config.splits
   else:
-    table, item_slot = _work_items(cache.lengths, kv_heads, max_pages, config)
+    table, item_slot = _work_items(cache.lengths, kv_heads, max_pages, config) if work is None else work
     work, num_items = (table.reshape(-1),), table.shape[0]
   stores = (cache.arena, cache.group_meta) if cache.compressed else (cache.k_pages, cache.v_pages)
   version = cache.format_version or 1
@@ -726,12 +727,16 @@ def _combine(o, lse2):
 
 
 def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: DecodeConfig | None = None,
-                            return_lse: bool = False, interpret: bool | None = None):
+                            return_lse: bool = False, interpret: bool | None = None, work=None):
   """Fused paged decode attention (see module docstring). Inputs are validated by the caller.
 
   Args:
     q: bfloat16 [B, Hq, D]; cache: a PagedKVCache (compressed or not).
     scale: softmax scale. config: None picks `default_config(cache)` (`heuristic_config` for its store).
+    work: the balanced schedule's items planned beforehand, `host_work_items(lengths, ...)` (int32
+      [W, 3] rows, int32 [W] item -> sequence); None plans them on the device from
+      `cache.lengths` (a few small XLA kernels before the attention kernel). Only with
+      `config.schedule == "balanced"`; they must be the plan of `cache.lengths`.
     interpret: None = interpret off-GPU. Interpret mode runs this kernel body on the
       CPU with static substitutions for what inline PTX does on the GPU: the jnp codec
       restores the same byte stage into BF16 SMEM tiles (`decode_interpret`; a register
@@ -741,11 +746,25 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
   """
   if config is None:
     config = default_config(cache)
+  if work is not None and config.schedule != "balanced":
+    raise ValueError(f"work items are the balanced schedule's; config.schedule is {config.schedule!r}")
   if _platform.resolve_interpret(interpret):
-    return _decode_attention(q, cache, float(scale), config, bool(return_lse), interpret=True)
-  return _decode_attention_jit(q, cache, float(scale), config, bool(return_lse))
+    return _decode_attention(q, cache, float(scale), config, bool(return_lse), interpret=True, work=work)
+  return _decode_attention_jit(q, cache, float(scale), config, bool(return_lse), work=work)
+
+
+def host_work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
+  """The balanced schedule's items planned on the host (`_work_items`' own code, run on the CPU
+  backend): numpy (int32 [W, 3], int32 [W]) for `decode_attention_pallas(..., work=...)`, so a
+  caller that knows the lengths (a serving engine's scheduler) keeps the plan's small kernels
+  off the GPU."""
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    table, item_slot = _work_items_cpu(jax.device_put(np.asarray(lengths, np.int32), cpu), kv_heads, max_pages, config)
+  return np.asarray(table), np.asarray(item_slot)
 
 
 # Compiled path. Interpret mode runs un-jitted: the interpreter's kernel leaves a wgmma effect
 # that jax.jit cannot lower (jax 0.11.2).
 _decode_attention_jit = jax.jit(_decode_attention, static_argnames=("scale", "config", "return_lse", "interpret"))
+_work_items_cpu = jax.jit(_work_items, static_argnums=(1, 2, 3))  # runs where its input lives (the CPU)

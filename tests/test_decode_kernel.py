@@ -274,6 +274,32 @@ def test_balanced_items_cover_every_page_once_in_equal_whole_steps(lengths, kv_h
     assert used.sum() == batch * da.heuristic_config(batch, kv_heads, int(pages[0])).splits
 
 
+@pytest.mark.parametrize("lengths", [[32768] + [1024] * 31, [2048] * 32, [0, 0, 5], [700, 37, 0]])
+def test_host_planned_items_equal_the_device_plan_and_skip_it(lengths):
+  """`host_work_items` (numpy, for a caller that knows the lengths) is the device plan; passed as
+  `work=`, the jitted call has no plan left in it, only the kernel and the combine."""
+  lengths = np.asarray(lengths, np.int32)
+  cfg = da.DecodeConfig(schedule="balanced")
+  max_pages = int(lengths.max()) // 16
+  table, item_slot = da.host_work_items(lengths, 8, max_pages, cfg)
+  assert isinstance(table, np.ndarray) and table.dtype == np.int32
+  want = jax.jit(da._work_items, static_argnums=(1, 2, 3))(jnp.asarray(lengths), 8, max_pages, cfg)
+  np.testing.assert_array_equal(table, want[0])
+  np.testing.assert_array_equal(item_slot, want[1])
+  if lengths.max() < 1000:
+    return
+  k, v = _kv(len(lengths), 16, 8, 128)  # only the shapes matter for the lowering
+  cache = zf.paged_cache_from_dense(k, v, np.minimum(lengths, 16), compressed=True)
+  cache = dataclasses.replace(cache, page_table=jnp.zeros((len(lengths), max_pages), jnp.int32))
+  q = jnp.zeros((len(lengths), 32, 128), jnp.bfloat16)
+  lowered = lambda work: _lower_text(lambda q, c, w: da._decode_attention(q, c, 0.125, cfg, False, work=w), q, cache, work)
+  with_plan, without = lowered(None), lowered((table, item_slot))
+  assert len(re.findall(r"custom_call @mosaic_gpu", without)) == 1
+  assert "stablehlo.cumsum" not in without and without.count("reduce") < with_plan.count("reduce")
+  with pytest.raises(ValueError, match="balanced"):
+    da.decode_attention_pallas(q, cache, 0.125, config=da.DecodeConfig(), work=(table, item_slot))
+
+
 def test_the_balanced_schedule_spreads_a_long_sequence_over_the_gpu():
   lengths = jnp.asarray([131072] + [1000] * 31, jnp.int32)
   grid_cfg = da.heuristic_config(32, 8, 131072 // 16, compressed=True)
