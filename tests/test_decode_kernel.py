@@ -298,6 +298,8 @@ def test_host_planned_items_equal_the_device_plan_and_skip_it(lengths):
   assert "stablehlo.cumsum" not in without and without.count("reduce") < with_plan.count("reduce")
   with pytest.raises(ValueError, match="balanced"):
     da.decode_attention_pallas(q, cache, 0.125, config=da.DecodeConfig(), work=(table, item_slot))
+  with pytest.raises(TypeError, match="work"):
+    zf.paged_decode_attention(q, cache, impl="reference", work=(table, item_slot))
 
 
 def test_the_balanced_schedule_spreads_a_long_sequence_over_the_gpu():

@@ -34,6 +34,7 @@ def paged_decode_attention(
     config=None,
     return_lse: bool = False,
     interpret: bool | None = None,
+    work=None,
 ):
   """Decode attention of one query token per sequence over a paged cache.
 
@@ -48,6 +49,8 @@ def paged_decode_attention(
     interpret: for "pallas": run the kernel body in Mosaic GPU interpret mode
       (default: off-GPU only). Interpreted, the restore is the jnp codec and P goes
       through SMEM; slow (seconds), for tests; not traceable inside jax.jit.
+    work: for "pallas" with `config.schedule == "balanced"`: the work items planned on the host,
+      `pallas_kernels.decode_attention.host_work_items(lengths, ...)`; None plans them on the device.
 
   Returns:
     bfloat16 [B, Hq, D] (and float32 [B, Hq] when `return_lse`). The
@@ -57,12 +60,12 @@ def paged_decode_attention(
   reference.check_query(q, cache)
   scale = reference.default_scale(cache.head_dim, sm_scale)
   if _resolve_impl(impl) == "reference":
-    if config is not None or interpret is not None:
-      raise TypeError("impl='reference' takes no config or interpret")
+    if config is not None or interpret is not None or work is not None:
+      raise TypeError("impl='reference' takes no config, interpret or work")
     return reference.paged_decode_attention_reference(q, cache, scale, return_lse)
   from pallas_kernels.decode_attention import decode_attention_pallas  # kernels sit above the format
 
-  return decode_attention_pallas(q, cache, scale, config=config, return_lse=return_lse, interpret=interpret)
+  return decode_attention_pallas(q, cache, scale, config=config, return_lse=return_lse, interpret=interpret, work=work)
 
 
 def decompress_then_attend(q, cache: PagedKVCache, sm_scale: float | None = None, *, impl: AttentionImpl | None = None,
