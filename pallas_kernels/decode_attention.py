@@ -608,8 +608,9 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
   grid: item s * B + b is split s of sequence b, `pages_per_split` pages of the cache's
   `max_pages + 1` (static, as before: B * splits items). The kernel computes these rows from its
   program id; the table is what `benchmarks.ragged --plan` and the tests read.
-  balanced (from `lengths`, on the device or through `host_work_items`): an item size c (`_item_pages`: whole steps, >= 16 pages,
-  the size whose items finish soonest in waves of the GPU's CTA slots), and sequence b cut into
+  balanced (from `lengths`, on the device or through `host_work_items`): an item size c
+  (`_item_pages`: whole steps, >= 16 pages, the size whose items finish soonest in waves of the
+  GPU's CTA slots), and sequence b cut into
   n_b = ceil(p_b / c) items of equal size (rounded up to whole steps), in sequence order. The
   static item count is W = `config.items` (0: `target_items`, two waves' worth per KV head) + B,
   and c is chosen among the sizes whose items fit it; the rest are unused: (-1, 0, 0), whose CTAs
