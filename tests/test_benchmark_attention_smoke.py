@@ -18,18 +18,20 @@ def test_attention_benchmark_smoke(tmp_path):
   assert result["data"][0]["compressed_equals_uncompressed"]
 
 
-@pytest.mark.slow  # 56 s: the interpreted kernel 16 times (the balanced schedule's own test is in the default tier)
+@pytest.mark.slow  # the interpreted kernel 24 times (the balanced schedule's own test is in the default tier)
 def test_ragged_benchmark_rows(tmp_path):
-  """benchmarks.ragged on CPU: the interpreted kernel under both schedules, checked against the reference."""
+  """benchmarks.ragged on CPU: the interpreted kernel under both schedules (the balanced one planned on
+  the device and on the host), checked against the reference."""
   from benchmarks import ragged
+  from benchmarks.fused_kernel_check import TOL  # this tiny model's outputs are O(1) random-normal ones
 
   out = tmp_path / "ragged.json"
   result = ragged.main(["--mixes", "smoke", "--model", "tiny-llama3", "--items", "2", "--out", str(out)])
   rows = result["rows"]
   assert json.loads(out.read_text())["rows"] == rows
   assert {(r["kernel"], r["schedule"]) for r in rows} == {
-      (k, s) for k in ("zipfusion_compressed", "zipfusion_uncompressed") for s in ("grid", "balanced")}
-  assert all(r["max_error"] <= ragged.TOL and r["time_us"] > 0 and r["tokens"] == 320 for r in rows)
+      (k, s) for k in ("zipfusion_compressed", "zipfusion_uncompressed") for s in ("grid", "balanced", "balanced_host")}
+  assert all(r["max_error"] <= TOL and r["time_us"] > 0 and r["tokens"] == 320 for r in rows)
   comp, plain = (next(r for r in rows if r["kernel"] == k) for k in ("zipfusion_compressed", "zipfusion_uncompressed"))
   assert comp["bytes_read"] < plain["bytes_read"]
 
