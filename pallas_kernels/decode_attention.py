@@ -679,20 +679,6 @@ def _item_pages(pages, kv_heads: int, max_pages: int, num_items: int, consumers:
   return sizes[jnp.argmin(cost)]  # the first minimum: the largest size among equals
 
 
-def _merge_partials(o, lse2, max_over, sum_over, spread):
-  """Normalised partials and their log2-sum-exp merged: `max_over` / `sum_over` reduce the partials
-  axis (axes) away, `spread` broadcasts a reduced value back over it. A group with no finite
-  partial gets 0 and -inf. `_combine` (splits: an array axis) uses it; `_combine_items` (work
-  items of a sequence) computes the same sums as one matrix product."""
-  top = max_over(lse2)
-  top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
-  w = jnp.exp2(lse2 - spread(top_safe))
-  total = sum_over(w)
-  out = sum_over(w[..., None] * o) / jnp.where(total == 0, 1.0, total)[..., None]
-  lse = jnp.where(total == 0, -jnp.inf, top_safe + jnp.log2(jnp.where(total == 0, 1.0, total)))
-  return out, lse
-
-
 def _combine_items(o, lse2, item_slot, batch: int):
   """Merge work-item partials by sequence: o f32 [W, Hkv, C, G, D], lse2 f32 [W, Hkv, C, G], item_slot
   int32 [W] (B: unused) -> ([B, Hkv, G, D], [B, Hkv, G]); a sequence with no item gets 0 and -inf.
@@ -723,8 +709,13 @@ def _combine(o, lse2):
   """Merge split partials: o f32 [B, Hkv, S, G, D], lse2 f32 [B, Hkv, S, G] -> ([B, Hkv, G, D], [B, Hkv, G])."""
   if o.shape[2] == 1:
     return o[:, :, 0], lse2[:, :, 0]
-  return _merge_partials(o, lse2, max_over=lambda x: x.max(axis=2), sum_over=lambda x: x.sum(axis=2),
-                         spread=lambda t: t[:, :, None])
+  top = jnp.max(lse2, axis=2, keepdims=True)
+  top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.exp2(lse2 - top_safe)
+  total = jnp.sum(w, axis=2)
+  out = jnp.sum(w[..., None] * o, axis=2) / jnp.where(total == 0, 1.0, total)[..., None]
+  lse = jnp.where(total == 0, -jnp.inf, top_safe[:, :, 0] + jnp.log2(jnp.where(total == 0, 1.0, total)))
+  return out, lse
 
 
 def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: DecodeConfig | None = None,
