@@ -705,17 +705,35 @@ def _combine_items(o, lse2, item_slot, batch: int):
   return out, jnp.where(empty, -jnp.inf, top + jnp.log2(jnp.where(empty, 1.0, total)))
 
 
+UNROLLED_COMBINE_SPLITS = 8  # up to this many partials per row, `_combine` is elementwise over them
+
+
 def _combine(o, lse2):
-  """Merge split partials: o f32 [B, Hkv, S, G, D], lse2 f32 [B, Hkv, S, G] -> ([B, Hkv, G, D], [B, Hkv, G])."""
-  if o.shape[2] == 1:
+  """Merge split partials: o f32 [B, Hkv, S, G, D], lse2 f32 [B, Hkv, S, G] -> ([B, Hkv, G, D], [B, Hkv, G]).
+
+  For S <= UNROLLED_COMBINE_SPLITS the maxima and sums run over the S slices as elementwise
+  ops (no reduction over the split axis), so XLA can fuse the whole merge, with the partials'
+  transpose, into one loop kernel: as reductions over S it took three kernels (exponential, reduce,
+  convert: 4.1 us at 8 x 8192 on the H100, 2026-12-07, 5% of the call)."""
+  splits = o.shape[2]
+  if splits == 1:
     return o[:, :, 0], lse2[:, :, 0]
-  top = jnp.max(lse2, axis=2, keepdims=True)
-  top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
-  w = jnp.exp2(lse2 - top_safe)
-  total = jnp.sum(w, axis=2)
-  out = jnp.sum(w[..., None] * o, axis=2) / jnp.where(total == 0, 1.0, total)[..., None]
-  lse = jnp.where(total == 0, -jnp.inf, top_safe[:, :, 0] + jnp.log2(jnp.where(total == 0, 1.0, total)))
-  return out, lse
+  if splits <= UNROLLED_COMBINE_SPLITS:
+    parts = [lse2[:, :, s] for s in range(splits)]
+    top = functools.reduce(jnp.maximum, parts)
+    top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = [jnp.exp2(x - top_safe) for x in parts]
+    total = functools.reduce(jnp.add, w)
+    acc = functools.reduce(jnp.add, [ws[..., None] * o[:, :, s] for s, ws in enumerate(w)])
+  else:
+    top = jnp.max(lse2, axis=2)
+    top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp2(lse2 - top_safe[:, :, None])
+    total = jnp.sum(w, axis=2)
+    acc = jnp.sum(w[..., None] * o, axis=2)
+  empty = total == 0
+  out = acc / jnp.where(empty, 1.0, total)[..., None]
+  return out, jnp.where(empty, -jnp.inf, top_safe + jnp.log2(jnp.where(empty, 1.0, total)))
 
 
 def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: DecodeConfig | None = None,

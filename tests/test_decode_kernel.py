@@ -377,8 +377,10 @@ def test_bad_impl_is_refused():
     zf.paged_decode_attention(jnp.zeros((1, 2, 64), jnp.bfloat16), cache, impl="triton")
 
 
-def test_split_combine_equals_attention_over_all_tokens():
-  """Attention over token ranges plus their lse, merged by `_combine`, is attention over the union."""
+@pytest.mark.parametrize("cuts", [(40, 40), tuple(range(0, 91, 9))])  # 3 partials (unrolled), 12 (reduced)
+def test_split_combine_equals_attention_over_all_tokens(cuts):
+  """Attention over token ranges plus their lse, merged by `_combine`, is attention over the union
+  (some ranges empty), whether the merge is unrolled over the partials or a reduction."""
   rng = np.random.default_rng(3)
   batch, kv_heads, group, head_dim, seq = 2, 2, 3, 64, 90
   q = jnp.asarray(rng.normal(size=(batch, kv_heads * group, head_dim)), jnp.float32)
@@ -395,7 +397,9 @@ def test_split_combine_equals_attention_over_all_tokens():
     o = jnp.einsum("bhgs,bshd->bhgd", jnp.exp(s - lse[..., None]), v[:, lo:hi])
     return o, lse / np.log(2.0)
 
-  parts = [attend(lo, hi) for lo, hi in ((0, 40), (40, 40), (40, 90))]
+  bounds = (0, *cuts, seq)
+  parts = [attend(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+  assert (len(parts) <= da.UNROLLED_COMBINE_SPLITS) == (len(cuts) == 2)
   o = jnp.stack([p[0] for p in parts], axis=2)
   lse2 = jnp.stack([p[1] for p in parts], axis=2)
   got, got_lse2 = da._combine(o, lse2)
