@@ -43,6 +43,7 @@ from pallas_kernels import decode_interpret as I
 from pallas_kernels import page_prefetch_mgpu as P
 from pallas_kernels import register_cap_mgpu as RC
 from pallas_kernels import restore_mgpu as R
+from pallas_kernels.merge_items import merge_items
 from zipfusion_jax.paged.cache import PAGE_SIZE, PagedKVCache
 
 STEP_PAGES = R.PAGES_PER_STEP
@@ -525,9 +526,9 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   stages, consumers = config.stages, config.consumers
   max_pages = cache.max_pages
   if config.schedule == "grid":  # the kernel derives its rows from the program id: no table
-    work, item_slot, num_items = (), None, batch * config.splits
+    work, num_items = (), batch * config.splits
   else:
-    table, item_slot = _work_items(cache.lengths, kv_heads, max_pages, config) if work is None else work
+    table, seq_first = _work_items(cache.lengths, kv_heads, max_pages, config) if work is None else work
     work, num_items = (table.reshape(-1),), table.shape[0]
   stores = (cache.arena, cache.group_meta) if cache.compressed else (cache.k_pages, cache.v_pages)
   version = cache.format_version or 1
@@ -588,22 +589,24 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
   )(q_rows, cache.lengths, cache.page_table, *tails, *stores, *work)
-  o, lse2 = jnp.swapaxes(o, 3, 4)[..., :group, :], lse[..., 0, :group]  # [W, Hkv, C, G, D], [W, Hkv, C, G]
-  if item_slot is None:  # grid: item s * B + b -> partials [B, Hkv, splits * C] (split-major)
+  if config.schedule == "balanced":  # one merge kernel writes the final rows
+    out, lse2 = merge_items(o, lse, seq_first, group=group, interpret=interpret)
+    out, lse2 = out.reshape(batch, q_heads, head_dim), lse2[:, :group]
+  else:  # grid: item s * B + b -> partials [B, Hkv, splits * C] (split-major), merged by XLA
+    o, lse2 = jnp.swapaxes(o, 3, 4)[..., :group, :], lse[..., 0, :group]  # [W, Hkv, C, G, D], [W, Hkv, C, G]
     regroup = lambda x: jnp.moveaxis(x.reshape(config.splits, batch, *x.shape[1:]), 0, 2).reshape(
         batch, kv_heads, config.splits * consumers, *x.shape[3:])
     out, lse2 = _combine(regroup(o), regroup(lse2))
-  else:
-    out, lse2 = _combine_items(o, lse2, item_slot, batch)
-  out = out.reshape(batch, q_heads, head_dim).astype(jnp.bfloat16)
+    out = out.reshape(batch, q_heads, head_dim).astype(jnp.bfloat16)
   if return_lse:
     return out, (lse2 * math.log(2.0)).reshape(batch, q_heads)
   return out
 
 
 def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
-  """The kernel's work items: (int32 [W, 3] rows (sequence, first page, end page), item -> sequence
-  int32 [W] with B for an unused item, or None for the grid schedule).
+  """The kernel's work items: (int32 [W, 3] rows (sequence, first page, end page), and for the
+  balanced schedule int32 [B + 1] `seq_first`: sequence b's items are `[seq_first[b],
+  seq_first[b + 1])`; None for the grid schedule).
 
   grid: item s * B + b is split s of sequence b, `pages_per_split` pages of the cache's
   `max_pages + 1` (static, as before: B * splits items). The kernel computes these rows from its
@@ -615,7 +618,7 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
   static item count is W = `config.items` (0: `target_items`, two waves' worth per KV head) + B,
   and c is chosen among the sizes whose items fit it; the rest are unused: (-1, 0, 0), whose CTAs
   return at once (no Q copy, no output write; an unused CTA costs its launch and one load), and
-  `_combine_items` drops them.
+  `merge_items` never reads them.
   """
   batch = lengths.shape[0]
   if config.schedule == "grid":
@@ -638,7 +641,7 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
   bc = jnp.minimum(b, batch - 1)
   first = (w - (ends[bc] - count[bc])) * per_item[bc]
   work = jnp.where(used[:, None], jnp.stack([bc, first, first + per_item[bc]], axis=1), jnp.array([-1, 0, 0], jnp.int32))
-  return work, jnp.where(used, b, batch)
+  return work, jnp.concatenate([jnp.zeros((1,), ends.dtype), ends]).astype(jnp.int32)
 
 
 def _grid_pages(max_pages: int, config: DecodeConfig) -> int:
@@ -677,32 +680,6 @@ def _item_pages(pages, kv_heads: int, max_pages: int, num_items: int, consumers:
   waves = -(-items * kv_heads // slots)
   cost = jnp.where(items <= num_items, waves * (sizes + ITEM_OVERHEAD_PAGES), jnp.iinfo(jnp.int32).max)
   return sizes[jnp.argmin(cost)]  # the first minimum: the largest size among equals
-
-
-def _combine_items(o, lse2, item_slot, batch: int):
-  """Merge work-item partials by sequence: o f32 [W, Hkv, C, G, D], lse2 f32 [W, Hkv, C, G], item_slot
-  int32 [W] (B: unused) -> ([B, Hkv, G, D], [B, Hkv, G]); a sequence with no item gets 0 and -inf.
-
-  The sums over a sequence's items are one f32 matrix product (full precision) of the one-hot
-  membership [B, W * C] with the weighted partials and their weights [W * C, Hkv (G D + G)]; the
-  maxima are one masked reduction. A few kernels whatever the lengths: segment ops were scatters
-  with their own initialising kernels, and a dense [B, items per sequence] gather grew with the
-  longest sequence (68 us at one 32K among 31 of 1K, H100, 2026-12-07)."""
-  num_items, kv_heads, consumers, group, head_dim = o.shape
-  member = item_slot[None, :] == jnp.arange(batch, dtype=item_slot.dtype)[:, None]  # [B, W]; unused: no row
-  top = jnp.where(member[:, :, None, None, None], lse2[None], -jnp.inf).max(axis=(1, 3))  # [B, Hkv, G]
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  used = (item_slot < batch)[:, None, None, None]
-  weight = jnp.where(used, jnp.exp2(lse2 - top[jnp.minimum(item_slot, batch - 1)][:, :, None]), 0.0)  # [W, Hkv, C, G]
-  weighted = jnp.where(used[..., None], weight[..., None] * o, 0.0)  # an unused item's NaN must not enter
-  rows = lambda x: jnp.moveaxis(x, 2, 1).reshape(num_items * consumers, -1)  # [W * C, Hkv * ...]
-  sums = jnp.dot(jnp.repeat(member, consumers, axis=1).astype(jnp.float32),
-                 jnp.concatenate([rows(weighted), rows(weight)], axis=1), precision=lax.Precision.HIGHEST)
-  out = sums[:, : kv_heads * group * head_dim].reshape(batch, kv_heads, group, head_dim)
-  total = sums[:, kv_heads * group * head_dim:].reshape(batch, kv_heads, group)
-  empty = total == 0
-  out = out / jnp.where(empty, 1.0, total)[..., None]
-  return out, jnp.where(empty, -jnp.inf, top + jnp.log2(jnp.where(empty, 1.0, total)))
 
 
 UNROLLED_COMBINE_SPLITS = 8  # up to this many partials per row, `_combine` is elementwise over them
@@ -744,7 +721,7 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
     q: bfloat16 [B, Hq, D]; cache: a PagedKVCache (compressed or not).
     scale: softmax scale. config: None picks `default_config(cache)` (`heuristic_config` for its store).
     work: the balanced schedule's items planned beforehand, `host_work_items(lengths, ...)` (int32
-      [W, 3] rows, int32 [W] item -> sequence); None plans them on the device from
+      [W, 3] rows, int32 [B + 1] first item of each sequence); None plans them on the device from
       `cache.lengths` (a few small XLA kernels before the attention kernel). Only with
       `config.schedule == "balanced"`; they must be the plan of `cache.lengths`.
     interpret: None = interpret off-GPU. Interpret mode runs this kernel body on the
@@ -765,13 +742,13 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
 
 def host_work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
   """The balanced schedule's items planned on the host (`_work_items`' own code, run on the CPU
-  backend): numpy (int32 [W, 3], int32 [W]) for `decode_attention_pallas(..., work=...)`, so a
+  backend): numpy (int32 [W, 3], int32 [B + 1]) for `decode_attention_pallas(..., work=...)`, so a
   caller that knows the lengths (a serving engine's scheduler) keeps the plan's small kernels
   off the GPU."""
   cpu = jax.devices("cpu")[0]
   with jax.default_device(cpu):
-    table, item_slot = _work_items_cpu(jax.device_put(np.asarray(lengths, np.int32), cpu), kv_heads, max_pages, config)
-  return np.asarray(table), np.asarray(item_slot)
+    table, seq_first = _work_items_cpu(jax.device_put(np.asarray(lengths, np.int32), cpu), kv_heads, max_pages, config)
+  return np.asarray(table), np.asarray(seq_first)
 
 
 # Compiled path. Interpret mode runs un-jitted: the interpreter's kernel leaves a wgmma effect

@@ -23,6 +23,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 import zipfusion_jax as zf
 from pallas_kernels import decode_attention as da
+from pallas_kernels.merge_items import merge_items
 from zipfusion_jax.paged import reference
 
 H200 = AbstractMesh(
@@ -249,16 +250,15 @@ def test_balanced_items_cover_every_page_once_in_equal_whole_steps(lengths, kv_h
   lengths = np.asarray(lengths, np.int32)
   batch, pages = len(lengths), -(-lengths // 16)
   cfg = da.DecodeConfig(schedule="balanced", items=items)
-  work, item_slot = jax.jit(da._work_items, static_argnums=(1, 2, 3))(jnp.asarray(lengths), kv_heads, 8192, cfg)
-  work, item_slot = np.asarray(work), np.asarray(item_slot)
+  work, seq_first = jax.jit(da._work_items, static_argnums=(1, 2, 3))(jnp.asarray(lengths), kv_heads, 8192, cfg)
+  work, seq_first = np.asarray(work), np.asarray(seq_first)
   target = items or da.target_items(kv_heads)
-  chex.assert_shape((work, item_slot), ((target + batch, 3), (target + batch,)))
-  used = item_slot < batch
-  np.testing.assert_array_equal(item_slot[~used], batch)
+  chex.assert_shape((work, seq_first), ((target + batch, 3), (batch + 1,)))
+  assert seq_first[0] == 0 and np.all(np.diff(seq_first) >= 0)
+  used = np.arange(target + batch) < seq_first[-1]  # used items first, in sequence order
   np.testing.assert_array_equal(work[~used], np.broadcast_to([-1, 0, 0], work[~used].shape))  # unused: no page
-  assert np.all(np.diff(item_slot[used]) >= 0) and np.all(used[: used.sum()])  # in sequence order, used first
   b, first, end = work[used].T
-  np.testing.assert_array_equal(b, item_slot[used])
+  np.testing.assert_array_equal(b, np.repeat(np.arange(batch), np.diff(seq_first)))  # b's items: [first[b], first[b + 1])
   assert np.all(first % da.STEP_PAGES == 0) and np.all(end - first >= 1) and np.all((end - first) % da.STEP_PAGES == 0)
   assert np.all(first < pages[b])  # no item lies wholly past its sequence
   covered = np.zeros((batch, pages.max(initial=0) + 1), int)
@@ -281,11 +281,11 @@ def test_host_planned_items_equal_the_device_plan_and_skip_it(lengths):
   lengths = np.asarray(lengths, np.int32)
   cfg = da.DecodeConfig(schedule="balanced")
   max_pages = int(lengths.max()) // 16
-  table, item_slot = da.host_work_items(lengths, 8, max_pages, cfg)
+  table, seq_first = da.host_work_items(lengths, 8, max_pages, cfg)
   assert isinstance(table, np.ndarray) and table.dtype == np.int32
   want = jax.jit(da._work_items, static_argnums=(1, 2, 3))(jnp.asarray(lengths), 8, max_pages, cfg)
   np.testing.assert_array_equal(table, want[0])
-  np.testing.assert_array_equal(item_slot, want[1])
+  np.testing.assert_array_equal(seq_first, want[1])
   if lengths.max() < 1000:
     return
   k, v = _kv(len(lengths), 16, 8, 128)  # only the shapes matter for the lowering
@@ -293,13 +293,13 @@ def test_host_planned_items_equal_the_device_plan_and_skip_it(lengths):
   cache = dataclasses.replace(cache, page_table=jnp.zeros((len(lengths), max_pages), jnp.int32))
   q = jnp.zeros((len(lengths), 32, 128), jnp.bfloat16)
   lowered = lambda work: _lower_text(lambda q, c, w: da._decode_attention(q, c, 0.125, cfg, False, work=w), q, cache, work)
-  with_plan, without = lowered(None), lowered((table, item_slot))
+  with_plan, without = lowered(None), lowered((table, seq_first))
   assert len(re.findall(r"custom_call @mosaic_gpu", without)) == 1
   assert "stablehlo.cumsum" not in without and without.count("reduce") < with_plan.count("reduce")
   with pytest.raises(ValueError, match="balanced"):
-    da.decode_attention_pallas(q, cache, 0.125, config=da.DecodeConfig(), work=(table, item_slot))
+    da.decode_attention_pallas(q, cache, 0.125, config=da.DecodeConfig(), work=(table, seq_first))
   with pytest.raises(TypeError, match="work"):
-    zf.paged_decode_attention(q, cache, impl="reference", work=(table, item_slot))
+    zf.paged_decode_attention(q, cache, impl="reference", work=(table, seq_first))
 
 
 def test_the_balanced_schedule_spreads_a_long_sequence_over_the_gpu():
@@ -311,37 +311,52 @@ def test_the_balanced_schedule_spreads_a_long_sequence_over_the_gpu():
   assert longest * 20 <= 131072 // 16  # the long sequence's critical path is >= 20x shorter
 
 
-def test_item_combine_equals_attention_over_all_tokens():
-  """Partials of token ranges assigned to sequences in any grouping, merged by `_combine_items`."""
+def test_item_merge_kernel_equals_attention_over_all_tokens():
+  """Partials of token ranges, consecutive items per sequence, merged by the `merge_items` kernel
+  (interpreted): each sequence's rows are attention over the union of its items' ranges."""
   rng = np.random.default_rng(4)
-  batch, kv_heads, group, head_dim, seq = 3, 2, 2, 16, 40
+  batch, kv_heads, group, head_dim, seq = 3, 2, 3, 16, 40
   q = jnp.asarray(rng.normal(size=(batch, kv_heads, group, head_dim)), jnp.float32)
   k = jnp.asarray(rng.normal(size=(batch, seq, kv_heads, head_dim)), jnp.float32)
   v = jnp.asarray(rng.normal(size=(batch, seq, kv_heads, head_dim)), jnp.float32)
 
-  def attend(b, lo, hi):  # -> o [Hkv, G, D], lse2 [Hkv, G]; empty -> 0, -inf
+  def exact(b, lo, hi):  # -> o [Hkv, G, D], lse2 [Hkv, G]; empty -> 0, -inf
     if hi <= lo:
       return jnp.zeros((kv_heads, group, head_dim)), jnp.full((kv_heads, group), -jnp.inf)
     s = jnp.einsum("hgd,shd->hgs", q[b], k[b, lo:hi])
     lse = jax.nn.logsumexp(s, axis=-1)
     return jnp.einsum("hgs,shd->hgd", jnp.exp(s - lse[..., None]), v[b, lo:hi]), lse / np.log(2.0)
 
+  def attend(b, lo, hi):  # -> O^T [Hkv, D, 8], lse2 [Hkv, 16, 8] as the kernel writes them
+    o, lse2 = exact(b, lo, hi)
+    o_t = jnp.full((kv_heads, head_dim, 8), jnp.nan).at[:, :, :group].set(jnp.swapaxes(o, 1, 2))  # unused columns: NaN
+    return o_t, jnp.broadcast_to(jnp.full((kv_heads, 8), jnp.nan).at[:, :group].set(lse2)[:, None], (kv_heads, 16, 8))
+
   # sequence 0: three items (one empty), sequence 1: none (no tokens), sequence 2: one; two unused items
-  items = [(0, 0, 10), (0, 10, 10), (0, 10, 40), (2, 0, 25), (0, 0, 0), (0, 0, 0)]
-  item_slot = jnp.asarray([0, 0, 0, 2, batch, batch])
-  parts = [attend(*it) for it in items]
+  items = [(0, 0, 10), (0, 10, 10), (0, 10, 40), (2, 0, 25), None, None]
+  seq_first = jnp.asarray([0, 3, 3, 4], jnp.int32)
   # two consumers: item 2's tokens split between them as partials (10, 25) and (25, 40)
-  parts2 = [attend(0, 10, 25), attend(0, 25, 40)]
-  second = [(jnp.zeros_like(p[0]), jnp.full_like(p[1], -jnp.inf)) for p in parts]
-  parts[2], second[2] = parts2
-  o = jnp.stack([jnp.stack([p[0] for p in parts]), jnp.stack([p[0] for p in second])], axis=2)  # [W, Hkv, C=2, G, D]
-  lse2 = jnp.stack([jnp.stack([p[1] for p in parts]), jnp.stack([p[1] for p in second])], axis=2)
-  o, lse2 = o.at[4].set(jnp.nan), lse2.at[5].set(jnp.nan)  # an unused item's partials are never read
-  got, got_lse2 = da._combine_items(o, lse2, item_slot, batch)
+  first = [attend(*it) if it else (jnp.full((kv_heads, head_dim, 8), jnp.nan), jnp.full((kv_heads, 16, 8), jnp.nan)) for it in items]
+  second = [attend(0, 0, 0) if it else f for it, f in zip(items, first)]  # unused items: NaN, never read
+  first[2], second[2] = attend(0, 10, 25), attend(0, 25, 40)
+  o = jnp.stack([jnp.stack([p[0] for p in first]), jnp.stack([p[0] for p in second])], axis=2)  # [W, Hkv, C=2, D, 8]
+  lse2 = jnp.stack([jnp.stack([p[1] for p in first]), jnp.stack([p[1] for p in second])], axis=2)
+  out, got_lse2 = merge_items(o, lse2, seq_first, group=group, interpret=True)
+  chex.assert_shape((out, got_lse2), ((batch * kv_heads * group, head_dim), (batch * kv_heads, 8)))
+  assert out.dtype == jnp.bfloat16
+  out, got_lse2 = out.reshape(batch, kv_heads, group, head_dim), got_lse2.reshape(batch, kv_heads, 8)[..., :group]
   for b, (lo, hi) in enumerate([(0, 40), (0, 0), (0, 25)]):
-    want, want_lse2 = attend(b, lo, hi)
-    chex.assert_trees_all_close(got[b], want, atol=1e-5, rtol=1e-5)
+    want, want_lse2 = exact(b, lo, hi)
+    chex.assert_trees_all_close(out[b].astype(jnp.float32), want, atol=1e-2, rtol=1e-2)  # BF16 rows: <= 1 ulp
     chex.assert_trees_all_close(got_lse2[b], want_lse2, atol=1e-5, rtol=1e-5)
+
+
+def test_item_merge_kernel_refuses_bad_partials():
+  o, lse = jnp.zeros((4, 2, 1, 64, 8)), jnp.zeros((4, 2, 1, 16, 8))
+  with pytest.raises(ValueError, match="partials"):
+    merge_items(o[..., :4], lse, jnp.zeros((3,), jnp.int32), group=2, interpret=True)
+  with pytest.raises(ValueError, match="G <= 8"):
+    merge_items(o, lse, jnp.zeros((3,), jnp.int32), group=9, interpret=True)
 
 
 @pytest.mark.parametrize("compressed", [True, False])
@@ -352,6 +367,8 @@ def test_balanced_schedule_lowers_to_one_mosaic_gpu_kernel(compressed):
   cfg = da.DecodeConfig(schedule="balanced", stages=2, v_after_qk=compressed)
   text = _lower_text(lambda q, c: da._decode_attention(q, c, 0.125, cfg, True), q, cache)
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+  assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 1  # the merge: one Triton kernel
+  assert "zipfusion_merge_items" in text
   items = da.target_items(2) + 3
   assert re.search(rf"tensor<{items}x2x1x128x8xf32>", text), "the grid is not (KV heads, target + B items)"
 
