@@ -43,7 +43,7 @@ from pallas_kernels import decode_interpret as I
 from pallas_kernels import page_prefetch_mgpu as P
 from pallas_kernels import register_cap_mgpu as RC
 from pallas_kernels import restore_mgpu as R
-from pallas_kernels.merge_items import merge_items
+from pallas_kernels.merge_items import ITEMS_PER_LOAD, merge_items
 from zipfusion_jax.paged.cache import PAGE_SIZE, PagedKVCache
 
 STEP_PAGES = R.PAGES_PER_STEP
@@ -616,6 +616,7 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
   GPU's CTA slots), and sequence b cut into
   n_b = ceil(p_b / c) items of equal size (rounded up to whole steps), in sequence order. The
   static item count is W = `config.items` (0: `target_items`, two waves' worth per KV head) + B,
+  rounded up to a multiple of `ITEMS_PER_LOAD`,
   and c is chosen among the sizes whose items fit it; the rest are unused: (-1, 0, 0), whose CTAs
   return at once (no Q copy, no output write; an unused CTA costs its launch and one load), and
   `merge_items` never reads them.
@@ -628,7 +629,8 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
     return jnp.stack([b, first, first + pages_per_split], axis=1), None
   steps_up = lambda x: -(-x // STEP_PAGES) * STEP_PAGES
   pages = (lengths.astype(jnp.int32) + PAGE_SIZE - 1) // PAGE_SIZE  # [B], the tail page included
-  num_items = (config.items or target_items(kv_heads, config.consumers)) + batch  # static rows per KV head
+  num_items = (config.items or target_items(kv_heads, config.consumers)) + batch  # static rows per KV head,
+  num_items = -(-num_items // ITEMS_PER_LOAD) * ITEMS_PER_LOAD  # in whole blocks of the merge's loads
   chunk = _item_pages(pages, kv_heads, max_pages, num_items, config.consumers)
   per_item = steps_up(-(-pages // jnp.maximum(-(-pages // chunk), 1)))  # equal items of whole steps
   count = -(-pages // jnp.maximum(per_item, 1))  # [B], 0 for an empty sequence

@@ -252,10 +252,10 @@ def test_balanced_items_cover_every_page_once_in_equal_whole_steps(lengths, kv_h
   cfg = da.DecodeConfig(schedule="balanced", items=items)
   work, seq_first = jax.jit(da._work_items, static_argnums=(1, 2, 3))(jnp.asarray(lengths), kv_heads, 8192, cfg)
   work, seq_first = np.asarray(work), np.asarray(seq_first)
-  target = items or da.target_items(kv_heads)
-  chex.assert_shape((work, seq_first), ((target + batch, 3), (batch + 1,)))
+  rows = -(-((items or da.target_items(kv_heads)) + batch) // 8) * 8  # budget + B, in whole blocks of 8
+  chex.assert_shape((work, seq_first), ((rows, 3), (batch + 1,)))
   assert seq_first[0] == 0 and np.all(np.diff(seq_first) >= 0)
-  used = np.arange(target + batch) < seq_first[-1]  # used items first, in sequence order
+  used = np.arange(rows) < seq_first[-1]  # used items first, in sequence order
   np.testing.assert_array_equal(work[~used], np.broadcast_to([-1, 0, 0], work[~used].shape))  # unused: no page
   b, first, end = work[used].T
   np.testing.assert_array_equal(b, np.repeat(np.arange(batch), np.diff(seq_first)))  # b's items: [first[b], first[b + 1])
@@ -265,8 +265,8 @@ def test_balanced_items_cover_every_page_once_in_equal_whole_steps(lengths, kv_h
   for bi, f, e in zip(b, first, end):
     covered[bi, f: min(e, pages[bi])] += 1
   np.testing.assert_array_equal(covered, np.arange(covered.shape[1])[None] < pages[:, None])  # every page once
-  chunk = _item_pages_oracle(pages, kv_heads, 8192, target + batch)
-  assert int(da._item_pages(jnp.asarray(pages), kv_heads, 8192, target + batch)) == chunk
+  chunk = _item_pages_oracle(pages, kv_heads, 8192, rows)
+  assert int(da._item_pages(jnp.asarray(pages), kv_heads, 8192, rows)) == chunk
   assert np.all(end - first <= chunk)  # no item longer than the planned size
   for bi in set(b):  # a sequence's items are equal (the last one clamped by the length)
     assert len(set((end - first)[b == bi])) == 1
@@ -332,8 +332,8 @@ def test_item_merge_kernel_equals_attention_over_all_tokens():
     o_t = jnp.full((kv_heads, head_dim, 8), jnp.nan).at[:, :, :group].set(jnp.swapaxes(o, 1, 2))  # unused columns: NaN
     return o_t, jnp.broadcast_to(jnp.full((kv_heads, 8), jnp.nan).at[:, :group].set(lse2)[:, None], (kv_heads, 16, 8))
 
-  # sequence 0: three items (one empty), sequence 1: none (no tokens), sequence 2: one; two unused items
-  items = [(0, 0, 10), (0, 10, 10), (0, 10, 40), (2, 0, 25), None, None]
+  # sequence 0: three items (one empty), sequence 1: none (no tokens), sequence 2: one; four unused items
+  items = [(0, 0, 10), (0, 10, 10), (0, 10, 40), (2, 0, 25), None, None, None, None]
   seq_first = jnp.asarray([0, 3, 3, 4], jnp.int32)
   # two consumers: item 2's tokens split between them as partials (10, 25) and (25, 40)
   first = [attend(*it) if it else (jnp.full((kv_heads, head_dim, 8), jnp.nan), jnp.full((kv_heads, 16, 8), jnp.nan)) for it in items]
@@ -352,9 +352,11 @@ def test_item_merge_kernel_equals_attention_over_all_tokens():
 
 
 def test_item_merge_kernel_refuses_bad_partials():
-  o, lse = jnp.zeros((4, 2, 1, 64, 8)), jnp.zeros((4, 2, 1, 16, 8))
+  o, lse = jnp.zeros((8, 2, 1, 64, 8)), jnp.zeros((8, 2, 1, 16, 8))
   with pytest.raises(ValueError, match="partials"):
     merge_items(o[..., :4], lse, jnp.zeros((3,), jnp.int32), group=2, interpret=True)
+  with pytest.raises(ValueError, match="multiple of 8"):
+    merge_items(o[:3], lse[:3], jnp.zeros((3,), jnp.int32), group=2, interpret=True)
   with pytest.raises(ValueError, match="G <= 8"):
     merge_items(o, lse, jnp.zeros((3,), jnp.int32), group=9, interpret=True)
 
@@ -369,7 +371,7 @@ def test_balanced_schedule_lowers_to_one_mosaic_gpu_kernel(compressed):
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
   assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 1  # the merge: one Triton kernel
   assert "zipfusion_merge_items" in text
-  items = da.target_items(2) + 3
+  items = -(-(da.target_items(2) + 3) // 8) * 8
   assert re.search(rf"tensor<{items}x2x1x128x8xf32>", text), "the grid is not (KV heads, target + B items)"
 
 
@@ -381,7 +383,7 @@ def test_balanced_schedule_interpreted_matches_the_reference_and_both_stores_agr
   plain = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
   cfg = da.DecodeConfig(schedule="balanced", items=4, stages=2, consumers=consumers)
   work, _ = da._work_items(jnp.asarray(lengths), kv_heads, comp.max_pages, cfg)
-  assert [tuple(r) for r in np.asarray(work)] == [(0, 0, 16), (0, 16, 32), (0, 32, 48), (1, 0, 4)] + [(-1, 0, 0)] * 3
+  assert [tuple(r) for r in np.asarray(work)] == [(0, 0, 16), (0, 16, 32), (0, 32, 48), (1, 0, 4)] + [(-1, 0, 0)] * 4
   outs = _interpreted_outputs(q, (comp, plain), plain, cfg)
   np.testing.assert_array_equal(outs[0], outs[1])
   assert np.all(outs[0][lengths == 0] == 0)
