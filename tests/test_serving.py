@@ -460,3 +460,50 @@ def test_warm_up_compiles_every_width_and_changes_no_output(compressed, caplog):
     warm.submit([1, 2, 3], 5)
     warm.step()
     warm.warm_up()
+
+
+def test_the_balanced_schedules_items_are_planned_on_the_host_and_checked(monkeypatch):
+  """With ("schedule", "balanced") in `decode_knobs` each decode plan carries the fused kernel's work
+  items for its lengths (the step then runs no planning kernels); `check_plan` refuses a table that
+  would attend over the wrong pages. Without the knob plans carry none."""
+  from jax._src.mesh import AbstractDevice
+  from jax.sharding import AbstractMesh, AxisType
+
+  from pallas_kernels.decode_attention import host_work_items
+
+  cfg = ServingConfig(num_layers=1, num_kv_heads=2, head_dim=64, num_slots=4, max_pages=40, num_chunks=64, chunk_pages=4)
+  backend = PagedBackend(cfg, attention_impl="pallas", decode_knobs=(("schedule", "balanced"),))
+  engine = Engine(StandInDecoder(cfg, q_heads=4), backend)
+  placement = engine.allocator.reserve(0)
+  plan = engine.with_work(decode_plan(cfg, {0: 600, 2: 5}, [], placement))
+  table, first = host_work_items(np.array([601, 0, 6, 0]), 2, cfg.max_pages, backend.attention_kwargs()["config"])
+  np.testing.assert_array_equal(plan.work_table, table)
+  np.testing.assert_array_equal(plan.work_first, first)
+  assert first[1] - first[0] > 1 and first[3] - first[2] == 1  # the long slot is cut into several items
+  check_plan(cfg, plan)
+  short = table.copy()
+  short[first[1] - 1, 2] -= 1  # slot 0's last item stops short of its last page (it ended on it)
+  if short[first[1] - 1, 2] >= -(-601 // 16):
+    short[first[1] - 1, 2] = -(-601 // 16) - 1
+  for bad in (short, np.roll(table, 1, axis=0)):
+    with pytest.raises(PlanError, match="cover"):
+      check_plan(cfg, plan.replace(work_table=bad))
+  with pytest.raises(PlanError, match="together"):
+    check_plan(cfg, plan.replace(work_first=None))
+  assert PagedBackend(cfg).host_work(np.array([601, 0, 6, 0])) is None
+  assert engine.with_work(decode_plan(cfg, {0: 5}, [], placement)).work_table is not None
+
+  # The step's attention lowered for an H200 with the host's items: no plan kernels, one merge kernel.
+  h200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                      abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+  q = np.zeros((cfg.num_slots, 4, cfg.head_dim), ml_dtypes.bfloat16)
+  k = v = np.zeros((cfg.num_slots, 2, cfg.head_dim), ml_dtypes.bfloat16)
+  from pallas_kernels import _platform
+
+  monkeypatch.setattr(_platform, "default_interpret", lambda: False)  # compile for the GPU, as on one
+  step = lambda state, plan, q, k, v: backend.decode_layer(state, 0, plan, q, k, v)[0]
+  avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), (engine.state, plan, q, k, v))
+  with jax.sharding.use_abstract_mesh(h200):
+    text = jax.jit(step).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1 and "zipfusion_merge_items" in text
+  assert "cumsum" not in text  # the device plan's cumulative sum is not in the step

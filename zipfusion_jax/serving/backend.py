@@ -24,6 +24,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from zipfusion_jax.format import block as B
 from zipfusion_jax.format import codec
@@ -107,6 +108,18 @@ class PagedBackend:
                             consumers=knobs.get("consumers", 1), version=c.format_version)
     return {"config": dataclasses.replace(base, **knobs)}
 
+  def host_work(self, lengths) -> tuple[np.ndarray, np.ndarray] | None:
+    """The fused kernel's work items for a decode step attending `lengths` int [S] tokens per
+    slot, planned on the host (`host_work_items`): (int32 [W, 3], int32 [S + 1]) when the kernel
+    runs its balanced schedule (`decode_knobs` with ("schedule", "balanced")), else None. The
+    engine puts them in the step's plan, so no planning kernels run inside the step."""
+    config = self.attention_kwargs().get("config")
+    if config is None or config.schedule != "balanced":
+      return None
+    from pallas_kernels.decode_attention import host_work_items  # kernels sit above the serving state
+
+    return host_work_items(np.asarray(lengths, np.int32), self.cfg.num_kv_heads, self.cfg.max_pages, config)
+
   @property
   def decompress_buffer_bytes(self) -> int:
     """BF16 bytes decompress-then-attend materialises per layer (every page id's K and V), 0 when fused."""
@@ -153,7 +166,10 @@ class PagedBackend:
     lengths = jnp.where(plan.active, plan.positions + 1, 0)
     view = self.layer_view(state, layer, lengths, self.next_page_table(state, plan))
     attend = paged_decode_attention if self.attention == "fused" else decompress_then_attend
-    return attend(q, view, impl=self.attention_impl, **self.attention_kwargs()), state
+    kwargs = self.attention_kwargs()
+    if plan.work_table is not None:  # the host's plan of the balanced schedule's items
+      kwargs["work"] = (plan.work_table, plan.work_first)
+    return attend(q, view, impl=self.attention_impl, **kwargs), state
 
   def append_layer(self, state: ServingState, layer: int, plan: Plan, k, v) -> ServingState:
     """The write half of `decode_layer`: tails, and the pages this completes encoded and placed."""

@@ -202,6 +202,12 @@ class Engine:
     nxt, aux, state = self.model.decode(params, self.backend, state, plan, tokens)
     return self._readback(layout, (nxt, aux), state), state
 
+  def with_work(self, plan: Plan) -> Plan:
+    """`plan` with the fused kernel's work items for its lengths, planned here on the host, when
+    the backend's kernel runs its balanced schedule (`PagedBackend.host_work`); else `plan`."""
+    work = self.backend.host_work(np.where(plan.active, plan.positions + 1, 0))
+    return plan if work is None else plan.replace(work_table=work[0], work_first=work[1])
+
   def lower_decode(self, plan: Plan, tokens: np.ndarray):
     """The jitted decode step lowered for this plan (`jax.stages.Lowered`: HLO, compile)."""
     return self._lower(self._decode, plan, tokens)
@@ -277,7 +283,7 @@ class Engine:
       report.preempted = [r.rid for r in preempted]
     if sched.running:
       lengths = {s: r.length for s, r in sched.running.items()}
-      plan = decode_plan(cfg, lengths, [r.slot for r in done], placement)
+      plan = self.with_work(decode_plan(cfg, lengths, [r.slot for r in done], placement))
       tokens = np.zeros(cfg.num_slots, np.int32)
       for s, r in sched.running.items():
         tokens[s] = r.generated[-1]
@@ -303,7 +309,7 @@ class Engine:
       raise RuntimeError("warm_up() runs idle steps, which end running sequences: call it before serving")
     cfg = self.cfg
     tokens = np.zeros(cfg.num_slots, np.int32)
-    decode_plans = [idle_decode_plan(cfg, width) for width in cfg.completion_widths]
+    decode_plans = [self.with_work(idle_decode_plan(cfg, width)) for width in cfg.completion_widths]
     steps = [(self._decode, plan, tokens) for plan in decode_plans]
     steps.append((self._prefill, idle_prefill_plan(cfg), np.zeros(cfg.max_length, np.int32)))
     lowered = [self._lower(*step) for step in steps]  # tracing holds the GIL: in turn

@@ -262,6 +262,10 @@ class Plan:
       their encoded sizes (`packing.page_bins`).
     grants: int32 [L, G] fresh chunks each layer may take this step (their
       bump pointer starts at 0; the worst case, unused ones go back), -1 padding.
+    work_table, work_first: (decode, when the fused kernel runs its balanced schedule) the
+      kernel's work items for this step's lengths, planned on the host
+      (`PagedBackend.host_work`): int32 [W, 3] and int32 [S + 1]; None otherwise (the kernel
+      derives its items from the lengths).
     kind: static, "decode" or "prefill".
   """
 
@@ -273,6 +277,8 @@ class Plan:
   current_chunk: jax.Array
   grants: jax.Array
   completing: jax.Array
+  work_table: jax.Array | None = None
+  work_first: jax.Array | None = None
   kind: str = flax.struct.field(pytree_node=False, default="decode")
 
 
@@ -338,3 +344,35 @@ def check_plan(cfg: ServingConfig, plan: Plan) -> None:
   fresh = grants[grants != NO_PAGE]
   if len(set(fresh.tolist())) != fresh.size or np.any(np.isin(current[current != NO_PAGE], fresh)):
     raise PlanError("plan.grants repeats a chunk or names a current chunk")
+  _check_work(plan, np.where(active, positions + 1, 0) if plan.kind == "decode" else None)
+
+
+def _check_work(plan: Plan, lengths) -> None:
+  """The work items (if any) cover each slot's pages, `lengths` int [S] (the step's attended
+  tokens), exactly once, as consecutive items of that slot: a wrong table would attend over the
+  wrong pages."""
+  import numpy as np
+
+  if plan.work_table is None and plan.work_first is None:
+    return
+  if lengths is None or plan.work_table is None or plan.work_first is None:
+    raise PlanError("plan.work_table and plan.work_first come together, in decode plans only")
+  table, first = np.asarray(plan.work_table), np.asarray(plan.work_first)
+  S = lengths.shape[0]
+  if table.ndim != 2 or table.shape[1] != 3 or first.shape != (S + 1,):
+    raise PlanError(f"plan.work_table / work_first have shapes {table.shape} / {first.shape}, expected [W, 3] / [{S + 1}]")
+  used = int(first[-1])
+  if first[0] != 0 or np.any(np.diff(first) < 0) or used > table.shape[0]:
+    raise PlanError(f"plan.work_first={first.tolist()} must rise from 0 to at most {table.shape[0]} items")
+  seq, start, end = table[:used].T
+  pages = -(-lengths // PAGE_SIZE)
+  has = np.diff(first) > 0
+  ok = np.array_equal(has, pages > 0) and np.all(table[used:] == [-1, 0, 0])
+  if ok and used:
+    runs_start = np.r_[True, seq[1:] != seq[:-1]]  # each slot's first item starts at page 0, the next where it ended
+    last = first[1:][has] - 1  # each slot's last item reaches its last page
+    ok = (np.array_equal(seq, np.repeat(np.arange(S), np.diff(first))) and np.all(end > start)
+          and np.all(np.where(runs_start, start == 0, start == np.r_[0, end[:-1]]))
+          and np.all(start[last] < pages[has]) and np.all(end[last] >= pages[has]))
+  if not ok:
+    raise PlanError("plan.work_table does not cover each active slot's pages once, in consecutive items")
