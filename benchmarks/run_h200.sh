@@ -8,6 +8,12 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
+# 000. (Fourteenth session, 2026-12-07.) The balanced schedule's merge is one Pallas Triton kernel
+# (`merge_items`); on the H100 its first version (one item per load) was correct and cost 1.6-7 us,
+# but 41 us for a 32-item sequence: it now reads 8 items per load, untimed anywhere. Then issue 3's
+# compressor on the H200 (step 0 below), then `ragged` and the engine with the host-planned items
+# (`--decode-knobs '{"schedule":"balanced"}'` now plans on the host, `Engine.with_work`).
+# `bash benchmarks/run_priority.sh` with no step runs compress attention ragged on an H200.
 # 00. (Twelfth session, 2026-12-07.) The fused kernel now reads a work table (grid (KV heads, items));
 # the grid schedule derives its rows from the program id as before, `schedule="balanced"` plans
 # items from the lengths. On the H100 (thirteenth session) both passed all 14 cases and the target
