@@ -3,9 +3,9 @@
 The fused decode kernel's balanced schedule (`decode_attention._work_items`) cuts each sequence
 into consecutive work items; item w leaves an O^T partial and its log2-sum-exp. Program (b, h)
 walks sequence b's items `[seq_first[b], seq_first[b + 1])` with an online softmax merge (each
-item weighted by `exp2(lse - running max)`, 8 items per load), divides once, and writes the G query heads' final
-BF16 rows straight into the `[B * Hkv * G, D]` output, so the call ends with this one kernel
-(the XLA merge it replaces was seven: 17 us at 32 x 2048, H100, 2026-12-07).
+item weighted by `exp2(lse - running max)`, 8 items per load), divides once, and writes the G
+query heads' final BF16 rows straight into the `[B * Hkv * G, D]` output, so the call ends with
+this one kernel (the XLA merge it replaces was seven: 17 us at 32 x 2048, H100, 2026-12-07).
 """
 
 from __future__ import annotations
