@@ -737,9 +737,24 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
     config = default_config(cache)
   if work is not None and config.schedule != "balanced":
     raise ValueError(f"work items are the balanced schedule's; config.schedule is {config.schedule!r}")
+  if work is not None:
+    _check_work(work, cache.lengths.shape[0])
   if _platform.resolve_interpret(interpret):
     return _decode_attention(q, cache, float(scale), config, bool(return_lse), interpret=True, work=work)
   return _decode_attention_jit(q, cache, float(scale), config, bool(return_lse), work=work)
+
+
+def _check_work(work, batch: int) -> None:
+  """Refuse a `work=` pair that `_work_items` cannot have made: shapes always, values when concrete
+  (numpy, as `host_work_items` returns them; a traced pair is the caller's to get right)."""
+  table, seq_first = work
+  if (len(table.shape) != 2 or table.shape[1] != 3 or table.shape[0] % ITEMS_PER_LOAD
+      or tuple(seq_first.shape) != (batch + 1,)):
+    raise ValueError(f"work must be (int32 [W, 3] with W a multiple of {ITEMS_PER_LOAD}, int32 [{batch + 1}]) "
+                     f"from host_work_items, got shapes {tuple(table.shape)}, {tuple(seq_first.shape)}")
+  if isinstance(seq_first, np.ndarray):
+    if seq_first[0] != 0 or np.any(np.diff(seq_first) < 0) or seq_first[-1] > table.shape[0]:
+      raise ValueError(f"work's seq_first={seq_first.tolist()} must rise from 0 to at most W = {table.shape[0]}")
 
 
 def host_work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):

@@ -295,11 +295,18 @@ def test_host_planned_items_equal_the_device_plan_and_skip_it(lengths):
   lowered = lambda work: _lower_text(lambda q, c, w: da._decode_attention(q, c, 0.125, cfg, False, work=w), q, cache, work)
   with_plan, without = lowered(None), lowered((table, seq_first))
   assert len(re.findall(r"custom_call @mosaic_gpu", without)) == 1
-  assert "stablehlo.cumsum" not in without and without.count("reduce") < with_plan.count("reduce")
+  assert "cumsum" in with_plan and "cumsum" not in without  # (jax lowers cumsum to a private @cumsum)
+  assert without.count("reduce") < with_plan.count("reduce")
   with pytest.raises(ValueError, match="balanced"):
     da.decode_attention_pallas(q, cache, 0.125, config=da.DecodeConfig(), work=(table, seq_first))
   with pytest.raises(TypeError, match="work"):
     zf.paged_decode_attention(q, cache, impl="reference", work=(table, seq_first))
+  bad_first = seq_first.copy()
+  bad_first[1] = seq_first[-1] + 1  # past the table's rows
+  for bad, match in (((table[:-1], seq_first), "multiple of"), ((table, seq_first[:-1]), "multiple of"),
+                     ((table, bad_first), "rise from 0")):
+    with pytest.raises(ValueError, match=match):
+      da.decode_attention_pallas(q, cache, 0.125, config=cfg, work=bad)
 
 
 def test_the_balanced_schedule_spreads_a_long_sequence_over_the_gpu():
@@ -313,9 +320,10 @@ def test_the_balanced_schedule_spreads_a_long_sequence_over_the_gpu():
 
 def test_item_merge_kernel_equals_attention_over_all_tokens():
   """Partials of token ranges, consecutive items per sequence, merged by the `merge_items` kernel
-  (interpreted): each sequence's rows are attention over the union of its items' ranges."""
+  (interpreted): each sequence's rows are attention over the union of its items' ranges, also
+  where a sequence's items span two of the kernel's 8-item loads or start in the second."""
   rng = np.random.default_rng(4)
-  batch, kv_heads, group, head_dim, seq = 3, 2, 3, 16, 40
+  batch, kv_heads, group, head_dim, seq = 4, 2, 3, 16, 40
   q = jnp.asarray(rng.normal(size=(batch, kv_heads, group, head_dim)), jnp.float32)
   k = jnp.asarray(rng.normal(size=(batch, seq, kv_heads, head_dim)), jnp.float32)
   v = jnp.asarray(rng.normal(size=(batch, seq, kv_heads, head_dim)), jnp.float32)
@@ -332,9 +340,10 @@ def test_item_merge_kernel_equals_attention_over_all_tokens():
     o_t = jnp.full((kv_heads, head_dim, 8), jnp.nan).at[:, :, :group].set(jnp.swapaxes(o, 1, 2))  # unused columns: NaN
     return o_t, jnp.broadcast_to(jnp.full((kv_heads, 8), jnp.nan).at[:, :group].set(lse2)[:, None], (kv_heads, 16, 8))
 
-  # sequence 0: three items (one empty), sequence 1: none (no tokens), sequence 2: one; four unused items
-  items = [(0, 0, 10), (0, 10, 10), (0, 10, 40), (2, 0, 25), None, None, None, None]
-  seq_first = jnp.asarray([0, 3, 3, 4], jnp.int32)
+  # sequence 0: three items (one empty), sequence 1: none (no tokens), sequence 2: eight (items 3-10,
+  # across the first 8-item load's end), sequence 3: one (item 11, in the second load); four unused
+  items = [(0, 0, 10), (0, 10, 10), (0, 10, 40)] + [(2, 5 * i, 5 * i + 5) for i in range(8)] + [(3, 0, 17)] + [None] * 4
+  seq_first = jnp.asarray([0, 3, 3, 11, 12], jnp.int32)
   # two consumers: item 2's tokens split between them as partials (10, 25) and (25, 40)
   first = [attend(*it) if it else (jnp.full((kv_heads, head_dim, 8), jnp.nan), jnp.full((kv_heads, 16, 8), jnp.nan)) for it in items]
   second = [attend(0, 0, 0) if it else f for it, f in zip(items, first)]  # unused items: NaN, never read
@@ -345,7 +354,7 @@ def test_item_merge_kernel_equals_attention_over_all_tokens():
   chex.assert_shape((out, got_lse2), ((batch * kv_heads * group, head_dim), (batch * kv_heads, 8)))
   assert out.dtype == jnp.bfloat16
   out, got_lse2 = out.reshape(batch, kv_heads, group, head_dim), got_lse2.reshape(batch, kv_heads, 8)[..., :group]
-  for b, (lo, hi) in enumerate([(0, 40), (0, 0), (0, 25)]):
+  for b, (lo, hi) in enumerate([(0, 40), (0, 0), (0, 40), (0, 17)]):
     want, want_lse2 = exact(b, lo, hi)
     chex.assert_trees_all_close(out[b].astype(jnp.float32), want, atol=1e-2, rtol=1e-2)  # BF16 rows: <= 1 ulp
     chex.assert_trees_all_close(got_lse2[b], want_lse2, atol=1e-5, rtol=1e-5)

@@ -488,6 +488,9 @@ def test_the_balanced_schedules_items_are_planned_on_the_host_and_checked(monkey
   for bad in (short, np.roll(table, 1, axis=0)):
     with pytest.raises(PlanError, match="cover"):
       check_plan(cfg, plan.replace(work_table=bad))
+  for table_shape_bad in (table[:-1], table.astype(np.float32)):
+    with pytest.raises(PlanError, match="multiple of 8"):
+      check_plan(cfg, plan.replace(work_table=table_shape_bad))
   with pytest.raises(PlanError, match="together"):
     check_plan(cfg, plan.replace(work_first=None))
   assert PagedBackend(cfg).host_work(np.array([601, 0, 6, 0])) is None

@@ -359,8 +359,10 @@ def _check_work(plan: Plan, lengths) -> None:
     raise PlanError("plan.work_table and plan.work_first come together, in decode plans only")
   table, first = np.asarray(plan.work_table), np.asarray(plan.work_first)
   S = lengths.shape[0]
-  if table.ndim != 2 or table.shape[1] != 3 or first.shape != (S + 1,):
-    raise PlanError(f"plan.work_table / work_first have shapes {table.shape} / {first.shape}, expected [W, 3] / [{S + 1}]")
+  if (table.ndim != 2 or table.shape[1] != 3 or table.shape[0] % 8 or first.shape != (S + 1,)
+      or not (np.issubdtype(table.dtype, np.integer) and np.issubdtype(first.dtype, np.integer))):
+    raise PlanError(f"plan.work_table / work_first are {table.dtype} {table.shape} / {first.dtype} {first.shape}, "
+                    f"expected integer [W, 3] (W a multiple of 8, the merge's loads) / [{S + 1}]")
   used = int(first[-1])
   if first[0] != 0 or np.any(np.diff(first) < 0) or used > table.shape[0]:
     raise PlanError(f"plan.work_first={first.tolist()} must rise from 0 to at most {table.shape[0]} items")
