@@ -613,13 +613,12 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
   program id; the table is what `benchmarks.ragged --plan` and the tests read.
   balanced (from `lengths`, on the device or through `host_work_items`): an item size c
   (`_item_pages`: whole steps, >= 16 pages, the size whose items finish soonest in waves of the
-  GPU's CTA slots), and sequence b cut into
-  n_b = ceil(p_b / c) items of equal size (rounded up to whole steps), in sequence order. The
-  static item count is W = `config.items` (0: `target_items`, two waves' worth per KV head) + B,
-  rounded up to a multiple of `ITEMS_PER_LOAD`,
-  and c is chosen among the sizes whose items fit it; the rest are unused: (-1, 0, 0), whose CTAs
-  return at once (no Q copy, no output write; an unused CTA costs its launch and one load), and
-  `merge_items` never reads them.
+  GPU's CTA slots), and sequence b cut into n_b = ceil(p_b / c) items of equal size (rounded up
+  to whole steps), in sequence order. The static item count is W = `config.items` (0:
+  `target_items`, two waves' worth per KV head) + B, rounded up to a multiple of
+  `ITEMS_PER_LOAD`, and c is chosen among the sizes whose items fit it; the rest are unused:
+  (-1, 0, 0), whose CTAs return at once (no Q copy, no output write; an unused CTA costs its
+  launch and one load), and `merge_items` never reads them.
   """
   batch = lengths.shape[0]
   if config.schedule == "grid":
@@ -738,20 +737,24 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
   if work is not None and config.schedule != "balanced":
     raise ValueError(f"work items are the balanced schedule's; config.schedule is {config.schedule!r}")
   if work is not None:
-    _check_work(work, cache.lengths.shape[0])
+    check_work_items(work, cache.lengths.shape[0])
   if _platform.resolve_interpret(interpret):
     return _decode_attention(q, cache, float(scale), config, bool(return_lse), interpret=True, work=work)
   return _decode_attention_jit(q, cache, float(scale), config, bool(return_lse), work=work)
 
 
-def _check_work(work, batch: int) -> None:
-  """Refuse a `work=` pair that `_work_items` cannot have made: shapes always, values when concrete
-  (numpy, as `host_work_items` returns them; a traced pair is the caller's to get right)."""
+def check_work_items(work, batch: int) -> None:
+  """Refuse a `work=` pair that `_work_items` cannot have made (ValueError): integer arrays of
+  shapes [W, 3] (W a multiple of ITEMS_PER_LOAD) and [B + 1] always; and, when concrete (numpy,
+  as `host_work_items` returns them; a traced pair is the caller's to get right), a `seq_first`
+  that rises from 0 within the table. The serving plan check (`check_plan`) adds the coverage."""
   table, seq_first = work
   if (len(table.shape) != 2 or table.shape[1] != 3 or table.shape[0] % ITEMS_PER_LOAD
-      or tuple(seq_first.shape) != (batch + 1,)):
+      or tuple(seq_first.shape) != (batch + 1,)
+      or not (np.issubdtype(table.dtype, np.integer) and np.issubdtype(seq_first.dtype, np.integer))):
     raise ValueError(f"work must be (int32 [W, 3] with W a multiple of {ITEMS_PER_LOAD}, int32 [{batch + 1}]) "
-                     f"from host_work_items, got shapes {tuple(table.shape)}, {tuple(seq_first.shape)}")
+                     f"from host_work_items, got {table.dtype} {tuple(table.shape)}, "
+                     f"{seq_first.dtype} {tuple(seq_first.shape)}")
   if isinstance(seq_first, np.ndarray):
     if seq_first[0] != 0 or np.any(np.diff(seq_first) < 0) or seq_first[-1] > table.shape[0]:
       raise ValueError(f"work's seq_first={seq_first.tolist()} must rise from 0 to at most W = {table.shape[0]}")

@@ -482,9 +482,7 @@ def test_the_balanced_schedules_items_are_planned_on_the_host_and_checked(monkey
   assert first[1] - first[0] > 1 and first[3] - first[2] == 1  # the long slot is cut into several items
   check_plan(cfg, plan)
   short = table.copy()
-  short[first[1] - 1, 2] -= 1  # slot 0's last item stops short of its last page (it ended on it)
-  if short[first[1] - 1, 2] >= -(-601 // 16):
-    short[first[1] - 1, 2] = -(-601 // 16) - 1
+  short[first[1] - 1, 2] = -(-601 // 16) - 1  # slot 0's last item stops before its last page
   for bad in (short, np.roll(table, 1, axis=0)):
     with pytest.raises(PlanError, match="cover"):
       check_plan(cfg, plan.replace(work_table=bad))

@@ -357,15 +357,15 @@ def _check_work(plan: Plan, lengths) -> None:
     return
   if lengths is None or plan.work_table is None or plan.work_first is None:
     raise PlanError("plan.work_table and plan.work_first come together, in decode plans only")
+  from pallas_kernels.decode_attention import check_work_items  # kernels sit above the serving state
+
   table, first = np.asarray(plan.work_table), np.asarray(plan.work_first)
   S = lengths.shape[0]
-  if (table.ndim != 2 or table.shape[1] != 3 or table.shape[0] % 8 or first.shape != (S + 1,)
-      or not (np.issubdtype(table.dtype, np.integer) and np.issubdtype(first.dtype, np.integer))):
-    raise PlanError(f"plan.work_table / work_first are {table.dtype} {table.shape} / {first.dtype} {first.shape}, "
-                    f"expected integer [W, 3] (W a multiple of 8, the merge's loads) / [{S + 1}]")
+  try:  # shapes, integer arrays, `work_first` rising from 0 within the table
+    check_work_items((table, first), S)
+  except ValueError as e:
+    raise PlanError(f"plan.work_table / work_first: {e}") from e
   used = int(first[-1])
-  if first[0] != 0 or np.any(np.diff(first) < 0) or used > table.shape[0]:
-    raise PlanError(f"plan.work_first={first.tolist()} must rise from 0 to at most {table.shape[0]} items")
   seq, start, end = table[:used].T
   pages = -(-lengths // PAGE_SIZE)
   has = np.diff(first) > 0
