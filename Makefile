@@ -22,7 +22,7 @@ demo-format: $(STAMP)
 	$(PY) -m zipfusion_jax.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4  # one worker per core, at most 4 (~4.5 GB each)
 
 test-notebooks: $(STAMP)
 	$(PY) -m pytest -q -m slow tests/test_notebooks.py
