@@ -1,17 +1,23 @@
 """End-to-end generation speed through the serving engine: compressed vs BF16 KV, same run.
 
   python -m benchmarks.generate [--models llama3.1-8b,qwen3-8b,smollm2-135m] [--batch 64]
-      [--context 8192] [--decode-steps 16] [--out benchmarks/results/generate_h200.json]
+      [--context 8192] [--lengths equal|uniform] [--schedules grid,balanced] [--decode-steps 16]
+      [--out benchmarks/results/generate_h200.json]
 
 Per model (random BF16 weights at the named shapes; the embedded SmolLM2's real weights need
 the GGUF, which does not travel to the GPU machine, so it is random too) and per KV store:
-`batch` requests with random prompts of `context` tokens are admitted (one prefill each, all
-before the timed part), then `decode-steps` engine steps each decode every slot. Reported:
+`batch` requests with random prompts are admitted (one prefill each, all before the timed part),
+then `decode-steps` engine steps each decode every slot. Prompt lengths: `equal` (`context`
+tokens each) or `uniform` (drawn uniformly from 1..`context`, fixed seed): a ragged batch as a
+server sees it. `--schedules` runs the fused kernel's work schedules side by side in the engine
+(`grid`: the heuristic's split grid; `balanced`: (sequence, page range) items planned on the host
+each step, `Engine.with_work`). Reported:
 prefill tokens/s (all prompt tokens over the admission time), decode-step time (median wall
 time of one `Engine.step()`, which includes the host scheduler, the plan upload and the small
 readback) and decode tokens/s = batch / step time. Compile time is excluded (one warm-up
-request runs first). Rows: {"model", "kv", "batch", "context", "prefill_tokens_per_s",
-"decode_step_ms", "decode_tokens_per_s", "kv_store_bytes", "compression_ratio"}.
+request runs first). Rows: {"model", "kv", "schedule", "batch", "context", "lengths",
+"mean_prompt_tokens", "prefill_tokens_per_s", "decode_step_ms", "decode_tokens_per_s",
+"kv_store_bytes", "compression_ratio"}.
 """
 
 from __future__ import annotations
@@ -32,26 +38,39 @@ from zipfusion_jax.serving.engine import Engine
 from zipfusion_jax.serving.model import ModelDecoder
 from zipfusion_jax.generate import serving_config
 from zipfusion_jax.jsonio import write_json_atomic
-from zipfusion_jax.serving.state import PAGE_SIZE
+
+
+SCHEDULES = ("grid", "balanced")
 
 
 def engine_for(config, params, batch: int, max_tokens: int, compressed: bool, chunk_pages: int = 32,
-               tensor_parallel=None) -> Engine:
-  """An engine whose store holds `batch` sequences of `max_tokens` at raw size (no admission waits)."""
+               tensor_parallel=None, schedule: str = "grid") -> Engine:
+  """An engine whose store holds `batch` sequences of `max_tokens` at raw size (no admission waits);
+  `schedule` "balanced" runs the fused kernel's balanced schedule, items planned on the host."""
   cfg = serving_config(config, [max_tokens] * batch, 0, batch, compressed, chunk_pages=chunk_pages)
   encoder = "pallas" if jax.default_backend() == "gpu" else "reference"
-  return Engine(ModelDecoder(config), PagedBackend(cfg, encoder=encoder), params, max_prefills_per_step=batch,
-                tensor_parallel=tensor_parallel)
+  knobs = () if schedule == "grid" else (("schedule", schedule),)
+  return Engine(ModelDecoder(config), PagedBackend(cfg, encoder=encoder, decode_knobs=knobs), params,
+                max_prefills_per_step=batch, tensor_parallel=tensor_parallel)
+
+
+def prompt_lengths(batch: int, context: int, lengths: str, rng: np.random.Generator) -> list[int]:
+  """Prompt tokens per request: all `context` ("equal") or uniform in 1..`context` ("uniform")."""
+  if lengths == "equal":
+    return [context] * batch
+  if lengths == "uniform":
+    return rng.integers(1, context + 1, batch).tolist()
+  raise ValueError(f"lengths={lengths!r} must be 'equal' or 'uniform'")
 
 
 def measure(engine: Engine, prompts: list[list[int]], decode_steps: int) -> dict:
-  """Warm up (compile), admit every prompt in one step, then time `decode_steps` engine steps.
+  """Warm up (compile the prefill and the decode step at every completion width: a ragged batch
+  completes pages a few slots at a time), admit every prompt in one step, then time
+  `decode_steps` engine steps.
 
   Returns {"prefill_s", "step_s" (median), "tokens" (request 0's generated ids)}.
   """
-  warm = engine.submit(prompts[0][:PAGE_SIZE + 1], 2)  # compiles prefill and decode
-  engine.run()
-  assert warm.done
+  engine.warm_up()
   reqs = [engine.submit(p, decode_steps + 1) for p in prompts]
   t0 = time.perf_counter()
   engine.step()  # admits (prefills) every request, then the first decode
@@ -65,24 +84,30 @@ def measure(engine: Engine, prompts: list[list[int]], decode_steps: int) -> dict
   return dict(prefill_s=prefill_s, step_s=statistics.median(times), tokens=list(reqs[0].generated))
 
 
-def run_model(name: str, batch: int, context: int, decode_steps: int, seed: int = 0) -> list[dict]:
+def run_model(name: str, batch: int, context: int, decode_steps: int, seed: int = 0, lengths: str = "equal",
+              schedules: tuple[str, ...] = ("grid",)) -> list[dict]:
   config = get_config(name)
   params = random_params(config, jax.random.key(seed))
   rng = np.random.default_rng(seed)
-  prompts = [rng.integers(0, config.vocab, context).tolist() for _ in range(batch)]
+  prompts = [rng.integers(0, config.vocab, n).tolist() for n in prompt_lengths(batch, context, lengths, rng)]
+  prompt_tokens = sum(map(len, prompts))
   rows = []
   for kv in ("compressed", "uncompressed"):
-    engine = engine_for(config, params, batch, context + decode_steps + 2, kv == "compressed")
-    m = measure(engine, prompts, decode_steps)
-    prefill_s, step = m["prefill_s"], m["step_s"]
-    cfg, alloc = engine.cfg, engine.allocator
-    rows.append(dict(
-        model=name, kv=kv, batch=batch, context=context, prefill_tokens_per_s=batch * context / prefill_s,
-        decode_step_ms=1e3 * step, decode_tokens_per_s=batch / step, kv_store_bytes=cfg.store_bytes + cfg.metadata_bytes,
-        compression_ratio=alloc.ratio if alloc.measured_pages else None, weights="random"))
-    print(f"{name:14s} kv={kv:12s} B={batch} S={context}: prefill {rows[-1]['prefill_tokens_per_s']:9.0f} tok/s, "
-          f"decode step {rows[-1]['decode_step_ms']:8.2f} ms = {rows[-1]['decode_tokens_per_s']:8.1f} tok/s", flush=True)
-    del engine  # free this store before the next one is allocated
+    for schedule in schedules:
+      engine = engine_for(config, params, batch, context + decode_steps + 2, kv == "compressed", schedule=schedule)
+      m = measure(engine, prompts, decode_steps)
+      prefill_s, step = m["prefill_s"], m["step_s"]
+      cfg, alloc = engine.cfg, engine.allocator
+      rows.append(dict(
+          model=name, kv=kv, schedule=schedule, batch=batch, context=context, lengths=lengths,
+          mean_prompt_tokens=prompt_tokens / batch, prefill_tokens_per_s=prompt_tokens / prefill_s,
+          decode_step_ms=1e3 * step, decode_tokens_per_s=batch / step,
+          kv_store_bytes=cfg.store_bytes + cfg.metadata_bytes,
+          compression_ratio=alloc.ratio if alloc.measured_pages else None, weights="random"))
+      print(f"{name:14s} kv={kv:12s} {schedule:8s} B={batch} S={context} ({lengths}): prefill "
+            f"{rows[-1]['prefill_tokens_per_s']:9.0f} tok/s, decode step {rows[-1]['decode_step_ms']:8.2f} ms = "
+            f"{rows[-1]['decode_tokens_per_s']:8.1f} tok/s", flush=True)
+      del engine  # free this store before the next one is allocated
   return rows
 
 
@@ -91,10 +116,20 @@ def main(argv=None):
   p.add_argument("--models", default="llama3.1-8b,qwen3-8b,smollm2-135m")
   p.add_argument("--batch", type=int, default=64)
   p.add_argument("--context", type=int, default=8192)
+  p.add_argument("--lengths", choices=("equal", "uniform"), default="equal",
+                 help="prompt lengths: all --context, or uniform in 1..--context (a ragged batch)")
+  p.add_argument("--schedules", default="grid", help=f"comma-separated fused-kernel schedules, of {', '.join(SCHEDULES)}")
   p.add_argument("--decode-steps", type=int, default=16)
   p.add_argument("--out", type=pathlib.Path, default=None)
   a = p.parse_args(argv)
-  rows = [r for m in a.models.split(",") for r in run_model(m, a.batch, a.context, a.decode_steps)]
+  schedules = tuple(a.schedules.split(","))
+  if unknown := set(schedules) - set(SCHEDULES):
+    p.error(f"--schedules: unknown {sorted(unknown)}; choose from {', '.join(SCHEDULES)}")
+  if schedules != ("grid",) and jax.default_backend() != "gpu":
+    p.error("--schedules other than grid need a GPU: off it the engine attends with the jnp reference, "
+            "which has no schedules (the interpreted kernel cannot run inside the jitted step)")
+  rows = [r for m in a.models.split(",")
+          for r in run_model(m, a.batch, a.context, a.decode_steps, lengths=a.lengths, schedules=schedules)]
   return save_result(a.out, rows)
 
 

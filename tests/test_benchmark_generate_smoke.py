@@ -13,3 +13,26 @@ def test_generate_benchmark_rows(tmp_path):
     assert r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0 and r["decode_step_ms"] > 0
   assert rows[0]["compression_ratio"] > 1.0  # pages completed and were stored in 12 bits
   assert out.exists()
+
+
+
+def test_ragged_prompts(tmp_path):
+  """Uniform prompt lengths: one draw of ragged prompts for both stores, pages still completed."""
+  result = generate.main(["--models", "tiny-llama3", "--batch", "3", "--context", "40", "--decode-steps", "2",
+                          "--lengths", "uniform"])
+  rows = result["rows"]
+  assert [(r["kv"], r["schedule"]) for r in rows] == [("compressed", "grid"), ("uncompressed", "grid")]
+  assert all(r["lengths"] == "uniform" and 1 <= r["mean_prompt_tokens"] <= 40 for r in rows)
+  assert rows[0]["mean_prompt_tokens"] == rows[1]["mean_prompt_tokens"] != 40  # one draw, not all equal
+  assert rows[0]["compression_ratio"] > 1.0
+
+
+def test_bad_schedules_or_lengths_are_refused(capsys):
+  """An unknown schedule; the balanced schedule off the GPU (the reference path has none); lengths."""
+  import pytest
+  for schedules, message in (("grid,fastest", "unknown"), ("grid,balanced", "need a GPU")):
+    with pytest.raises(SystemExit):
+      generate.main(["--models", "tiny-llama3", "--schedules", schedules])
+    assert message in capsys.readouterr().err
+  with pytest.raises(ValueError, match="lengths"):
+    generate.prompt_lengths(2, 8, "zipf", None)
