@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# A session's device calls, most important check first (fourteenth session, 2026-12-07).
+# A session's device calls, most important check first (fifteenth session, 2026-12-07).
 # run_h200.sh is the whole list; this runs named steps of it, in the order given:
 #   bash benchmarks/run_priority.sh [STEP ...]     # JSON under $OUT (default benchmarks/results)
 # Steps: compress (issue 3's figure; H200 only, skipped elsewhere), correctness (the work-table
 # kernel, both schedules, 14 cases), ragged (both schedules over four length mixes), attention
 # (the table at the two target shapes), flashinfer (carry [".carry"]), probes (format 2's copies /
-# compute split). No step: compress attention ragged (H200) or ragged attention (H100): the
-# merge kernel's 8-items-per-load version (issue 4's ragged batches) has not run on a GPU.
+# compute split), serving (the engine on a ragged batch, grid against balanced schedule). No step:
+# compress serving attention (H200) or serving ragged (H100): the engine's host-planned balanced
+# schedule has not been timed on a ragged batch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -17,7 +18,7 @@ echo "device: $gpu ($(date -u +%FT%TZ))"
 tag=h100; [[ "$gpu" == *H200* ]] && tag=h200
 steps=("$@")
 if [[ ${#steps[@]} == 0 ]]; then
-  if [[ $tag == h200 ]]; then steps=(compress attention ragged); else steps=(ragged attention); fi
+  if [[ $tag == h200 ]]; then steps=(compress serving attention); else steps=(serving ragged); fi
 fi
 for step in "${steps[@]}"; do
   case $step in
@@ -29,6 +30,10 @@ for step in "${steps[@]}"; do
       timeout -s KILL 240 python3 -m benchmarks.fused_kernel_check --quick --skip-timing \
         --sweep '[{"schedule":"balanced"}]' --out "$out/fused_kernel_schedule_check_$tag.json" 2>&1 \
         | grep -E "PASS|FAIL|Error" | cut -c1-300 ;;
+    serving)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 330 python3 -m benchmarks.generate --models llama3.1-8b \
+        --batch 32 --context 8192 --lengths uniform --schedules grid,balanced --decode-steps 32 \
+        --out "$out/generate_ragged_$tag.json" 2>&1 | grep -E "tok/s|Error" | cut -c1-300 ;;
     ragged)
       timeout -s KILL 260 python3 -m benchmarks.ragged --out "$out/ragged_$tag.json" 2>&1 | grep -vE "Warning|^\s*$" | cut -c1-250 ;;
     attention)
