@@ -1,7 +1,8 @@
 """End-to-end generation speed through the serving engine: compressed vs BF16 KV, same run.
 
   python -m benchmarks.generate [--models llama3.1-8b,qwen3-8b,smollm2-135m] [--batch 64]
-      [--context 8192] [--lengths equal|uniform] [--schedules grid,balanced] [--decode-steps 16]
+      [--context 8192] [--lengths equal|uniform] [--schedules grid,balanced]
+      [--kv compressed,uncompressed] [--decode-steps 16]
       [--out benchmarks/results/generate_h200.json]
 
 Per model (random BF16 weights at the named shapes; the embedded SmolLM2's real weights need
@@ -84,15 +85,18 @@ def measure(engine: Engine, prompts: list[list[int]], decode_steps: int) -> dict
   return dict(prefill_s=prefill_s, step_s=statistics.median(times), tokens=list(reqs[0].generated))
 
 
+KV_STORES = ("compressed", "uncompressed")
+
+
 def run_model(name: str, batch: int, context: int, decode_steps: int, seed: int = 0, lengths: str = "equal",
-              schedules: tuple[str, ...] = ("grid",)) -> list[dict]:
+              schedules: tuple[str, ...] = ("grid",), kv_stores: tuple[str, ...] = KV_STORES) -> list[dict]:
   config = get_config(name)
   params = random_params(config, jax.random.key(seed))
   rng = np.random.default_rng(seed)
   prompts = [rng.integers(0, config.vocab, n).tolist() for n in prompt_lengths(batch, context, lengths, rng)]
   prompt_tokens = sum(map(len, prompts))
   rows = []
-  for kv in ("compressed", "uncompressed"):
+  for kv in kv_stores:
     for schedule in schedules:
       engine = engine_for(config, params, batch, context + decode_steps + 2, kv == "compressed", schedule=schedule)
       m = measure(engine, prompts, decode_steps)
@@ -119,17 +123,21 @@ def main(argv=None):
   p.add_argument("--lengths", choices=("equal", "uniform"), default="equal",
                  help="prompt lengths: all --context, or uniform in 1..--context (a ragged batch)")
   p.add_argument("--schedules", default="grid", help=f"comma-separated fused-kernel schedules, of {', '.join(SCHEDULES)}")
+  p.add_argument("--kv", default=",".join(KV_STORES), help=f"comma-separated KV stores, of {', '.join(KV_STORES)}")
   p.add_argument("--decode-steps", type=int, default=16)
   p.add_argument("--out", type=pathlib.Path, default=None)
   a = p.parse_args(argv)
-  schedules = tuple(a.schedules.split(","))
+  schedules, kv_stores = tuple(a.schedules.split(",")), tuple(a.kv.split(","))
+  if unknown := set(kv_stores) - set(KV_STORES):
+    p.error(f"--kv: unknown {sorted(unknown)}; choose from {', '.join(KV_STORES)}")
   if unknown := set(schedules) - set(SCHEDULES):
     p.error(f"--schedules: unknown {sorted(unknown)}; choose from {', '.join(SCHEDULES)}")
   if schedules != ("grid",) and jax.default_backend() != "gpu":
     p.error("--schedules other than grid need a GPU: off it the engine attends with the jnp reference, "
             "which has no schedules (the interpreted kernel cannot run inside the jitted step)")
   rows = [r for m in a.models.split(",")
-          for r in run_model(m, a.batch, a.context, a.decode_steps, lengths=a.lengths, schedules=schedules)]
+          for r in run_model(m, a.batch, a.context, a.decode_steps, lengths=a.lengths, schedules=schedules,
+                             kv_stores=kv_stores)]
   return save_result(a.out, rows)
 
 

@@ -32,7 +32,8 @@ for step in "${steps[@]}"; do
         | grep -E "PASS|FAIL|Error" | cut -c1-300 ;;
     serving)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 330 python3 -m benchmarks.generate --models llama3.1-8b \
-        --batch 32 --context 8192 --lengths uniform --schedules grid,balanced --decode-steps 32 \
+        --batch 32 --context 8192 --lengths uniform --schedules grid,balanced --kv "${KV:-compressed,uncompressed}" \
+        --decode-steps 32 \
         --out "$out/generate_ragged_$tag.json" 2>&1 | grep -E "tok/s|Error" | cut -c1-300 ;;
     ragged)
       timeout -s KILL 260 python3 -m benchmarks.ragged --out "$out/ragged_$tag.json" 2>&1 | grep -vE "Warning|^\s*$" | cut -c1-250 ;;

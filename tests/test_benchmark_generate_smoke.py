@@ -19,7 +19,7 @@ def test_generate_benchmark_rows(tmp_path):
 def test_ragged_prompts(tmp_path):
   """Uniform prompt lengths: one draw of ragged prompts for both stores, pages still completed."""
   result = generate.main(["--models", "tiny-llama3", "--batch", "3", "--context", "40", "--decode-steps", "2",
-                          "--lengths", "uniform"])
+                          "--lengths", "uniform", "--kv", "compressed,uncompressed"])
   rows = result["rows"]
   assert [(r["kv"], r["schedule"]) for r in rows] == [("compressed", "grid"), ("uncompressed", "grid")]
   assert all(r["lengths"] == "uniform" and 1 <= r["mean_prompt_tokens"] <= 40 for r in rows)
@@ -28,11 +28,12 @@ def test_ragged_prompts(tmp_path):
 
 
 def test_bad_schedules_or_lengths_are_refused(capsys):
-  """An unknown schedule; the balanced schedule off the GPU (the reference path has none); lengths."""
+  """An unknown schedule or store; the balanced schedule off the GPU (the reference path has none); lengths."""
   import pytest
-  for schedules, message in (("grid,fastest", "unknown"), ("grid,balanced", "need a GPU")):
+  for flags, message in ((["--schedules", "grid,fastest"], "unknown"), (["--schedules", "grid,balanced"], "need a GPU"),
+                         (["--kv", "compressed,fp8"], "unknown ['fp8']")):
     with pytest.raises(SystemExit):
-      generate.main(["--models", "tiny-llama3", "--schedules", schedules])
+      generate.main(["--models", "tiny-llama3", *flags])
     assert message in capsys.readouterr().err
   with pytest.raises(ValueError, match="lengths"):
     generate.prompt_lengths(2, 8, "zipf", None)
