@@ -1,10 +1,12 @@
 """Plots of the H200 results for RESULTS.md (PNGs next to it), read from benchmarks/results/*.json.
 
   python -m benchmarks.plot_results [--e2e results/a.json,results/b.json [--tag h100]]
+      [--ragged results/ragged_h100_merge_8_per_load.json]
       # writes benchmarks/e2e_throughput.png, e2e_batch_curves.png, e2e_breakdown.png,
       # attention_speedup.png (only for the results present); --e2e merges the rows of several
       # e2e runs of one device (default: results/e2e_h200.json) and plots only them, into
-      # e2e_*_TAG.png with --tag
+      # e2e_*_TAG.png with --tag; --ragged plots a `benchmarks.ragged` run alone, into
+      # ragged_schedules.png
 
 The `draw_*` functions draw one figure's content on a given axes; the notebooks use them too.
 """
@@ -16,6 +18,7 @@ import pathlib
 
 import matplotlib
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 
 HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results"
@@ -135,6 +138,40 @@ def draw_attention_speedup(ax, result: dict) -> None:
   ax.legend(fontsize=7)
 
 
+SCHEDULE_COLORS = {"grid": "tab:gray", "balanced": "tab:cyan", "balanced_host": "tab:green"}
+
+
+def draw_ragged_schedules(ax, result: dict) -> None:
+  """A `benchmarks.ragged` run: each schedule's speed relative to the grid schedule's, per length mix
+  and store (the call's total time: kernel, plan kernels, merge), on a log axis."""
+  rows = result["rows"]
+  mixes = list(dict.fromkeys(r["mix"] for r in rows))
+  stores = list(dict.fromkeys(r["kernel"] for r in rows))
+  schedules = [s for s in SCHEDULE_COLORS if any(r["schedule"] == s for r in rows) and s != "grid"]
+  time = {(r["mix"], r["kernel"], r["schedule"]): r["time_us"] for r in rows}
+  groups = [(m, k) for m in mixes for k in stores if (m, k, "grid") in time]
+  width = 0.8 / max(1, len(schedules))
+  for i, schedule in enumerate(schedules):
+    xs, ys = [], []
+    for j, (mix, store) in enumerate(groups):
+      if (mix, store, schedule) in time:
+        xs.append(j + (i - (len(schedules) - 1) / 2) * width)
+        ys.append(time[(mix, store, "grid")] / time[(mix, store, schedule)])
+    bars = ax.bar(xs, ys, width, color=SCHEDULE_COLORS[schedule], label=schedule)
+    ax.bar_label(bars, [f"{y:.2f}" for y in ys], fontsize=6)
+  ax.axhline(1.0, color="black", lw=0.8)
+  ax.set_yscale("log")
+  ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([0.5, 0.75, 1, 1.5, 2, 4, 8]))
+  ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}x"))
+  ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+  store_name = {"zipfusion_compressed": "12-bit", "zipfusion_uncompressed": "BF16"}
+  ax.set_xticks(range(len(groups)), [f"{m.removeprefix('equal_')}\n{store_name.get(k, k)}" for m, k in groups],
+                fontsize=7)
+  ax.set_ylabel("speed vs the grid schedule")
+  ax.set_title(f"Ragged batches: work schedules ({result['device']}, {result['date']})", fontsize=9)
+  ax.legend(fontsize=7)
+
+
 def save(draw, result: dict, out: pathlib.Path, figsize: tuple[float, float]) -> None:
   fig, ax = plt.subplots(figsize=figsize)
   draw(ax, result)
@@ -162,10 +199,16 @@ def main(argv=None) -> None:
                  "default: results/e2e_h200.json if present")
   p.add_argument("--tag", default="", help="suffix of the e2e PNGs' names (e.g. h100: e2e_throughput_h100.png), "
                  "so that another device's figures sit next to the H200 ones")
+  p.add_argument("--ragged", default=None, help="a benchmarks.ragged results file: ragged_schedules.png only")
   p.add_argument("--out-dir", type=pathlib.Path, default=HERE, help="where the PNGs go (default: benchmarks/)")
   a = p.parse_args(argv)
   tag, out = (f"_{a.tag}" if a.tag else ""), a.out_dir
   matplotlib.use("Agg")  # files only (here, not at import: the notebooks draw inline with these functions)
+  if a.ragged is not None:
+    if (ragged := _load(a.ragged)) is None:
+      p.error(f"--ragged: no such results file: {a.ragged}")
+    save(draw_ragged_schedules, ragged, out / "ragged_schedules.png", (9, 3.6))
+    return
   if a.e2e is None:
     found = [r for r in [_load("e2e_h200.json")] if r is not None]
   else:

@@ -44,3 +44,31 @@ def test_ragged_plan_spreads_the_long_sequence():
   assert rows[("one_long", "grid")]["max_pages_per_cta"] == 32768 // 16
   assert rows[("one_long", "balanced")]["max_pages_per_cta"] * 16 <= 32768 // 16
   assert rows[("equal_32x2048", "balanced")]["ctas"] == rows[("equal_32x2048", "grid")]["ctas"] == 256
+
+
+def test_ragged_schedules_plot_shows_each_schedules_speed_over_the_grid(tmp_path):
+  """`plot_results.draw_ragged_schedules`: one bar per (mix, store) and schedule, its height the grid
+  time over the schedule's; a mix without a grid row is left out; `--ragged` writes only its PNG."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from benchmarks import plot_results
+
+  row = lambda mix, kernel, schedule, t: dict(mix=mix, kernel=kernel, schedule=schedule, time_us=t)
+  result = dict(device="CPU", date="2026-12-07", rows=[
+      row("one_long", "zipfusion_compressed", "grid", 600.0), row("one_long", "zipfusion_compressed", "balanced_host", 80.0),
+      row("equal", "zipfusion_compressed", "grid", 75.0), row("equal", "zipfusion_compressed", "balanced_host", 78.0),
+      row("no_grid", "zipfusion_compressed", "balanced_host", 1.0)])
+  fig, ax = plt.subplots()
+  plot_results.draw_ragged_schedules(ax, result)
+  heights = [p.get_height() for p in ax.patches]
+  assert heights == pytest.approx([600 / 80, 75 / 78])
+  assert [t.get_text() for t in ax.get_xticklabels()] == ["one_long\n12-bit", "equal\n12-bit"]
+  plt.close(fig)
+  (tmp_path / "r.json").write_text(json.dumps(result))
+  plot_results.main(["--ragged", str(tmp_path / "r.json"), "--out-dir", str(tmp_path)])
+  assert [p.name for p in tmp_path.glob("*.png")] == ["ragged_schedules.png"]
+  with pytest.raises(SystemExit):
+    plot_results.main(["--ragged", str(tmp_path / "absent.json"), "--out-dir", str(tmp_path)])
