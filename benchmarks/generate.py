@@ -15,8 +15,8 @@ server sees it. `--schedules` runs the fused kernel's work schedules side by sid
 each step, `Engine.with_work`). Reported:
 prefill tokens/s (all prompt tokens over the admission time), decode-step time (median wall
 time of one `Engine.step()`, which includes the host scheduler, the plan upload and the small
-readback) and decode tokens/s = batch / step time. Compile time is excluded (one warm-up
-request runs first). Rows: {"model", "kv", "schedule", "batch", "context", "lengths",
+readback) and decode tokens/s = batch / step time. Compile time is excluded (`Engine.warm_up`
+compiles the prefill and every completion width's decode step first). Rows: {"model", "kv", "schedule", "batch", "context", "lengths",
 "mean_prompt_tokens", "prefill_tokens_per_s", "decode_step_ms", "decode_tokens_per_s",
 "kv_store_bytes", "compression_ratio"}.
 """
