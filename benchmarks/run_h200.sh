@@ -8,12 +8,18 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
-# 000. (Fourteenth session, 2026-12-07.) The balanced schedule's merge is one Pallas Triton kernel
+# 0000. (Fifteenth session, 2026-12-07.) On the H100 the merge kernel at 8 items per load took the
+# one-long mix's merge from 41.2 to 9.2 us (the mix 85.2 us against the grid's 614.9). Not yet run
+# anywhere: the serving engine with the host-planned balanced schedule on a ragged batch
+# (`run_priority.sh serving`: benchmarks.generate --lengths uniform --schedules grid,balanced,
+# ~300 s for both stores, KV=compressed halves it). Then issue 3's compressor on the H200.
+# `bash benchmarks/run_priority.sh` with no step runs compress serving attention on an H200.
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 330 python3 -m benchmarks.generate --models llama3.1-8b --batch 32 --context 8192 --lengths uniform --schedules grid,balanced --decode-steps 32 --out "$out/generate_ragged_h200.json" 2>&1 | grep -E "tok/s|Error"
+# 000. (Fourteenth session, 2026-12-07; measured in the fifteenth, above.) The balanced schedule's merge is one Pallas Triton kernel
 # (`merge_items`); on the H100 its first version (one item per load) was correct and cost 1.6-7 us,
-# but 41 us for a 32-item sequence: it now reads 8 items per load, untimed anywhere. Then issue 3's
+# but 41 us for a 32-item sequence: it now reads 8 items per load (9.2 us there). Then issue 3's
 # compressor on the H200 (step 0 below), then `ragged` and the engine with the host-planned items
 # (`--decode-knobs '{"schedule":"balanced"}'` now plans on the host, `Engine.with_work`).
-# `bash benchmarks/run_priority.sh` with no step runs compress attention ragged on an H200.
 # 00. (Twelfth session, 2026-12-07.) The fused kernel now reads a work table (grid (KV heads, items));
 # the grid schedule derives its rows from the program id as before, `schedule="balanced"` plans
 # items from the lengths. On the H100 (thirteenth session) both passed all 14 cases and the target
