@@ -274,6 +274,24 @@ def test_balanced_items_cover_every_page_once_in_equal_whole_steps(lengths, kv_h
     assert used.sum() == batch * da.heuristic_config(batch, kv_heads, int(pages[0])).splits
 
 
+def test_host_plan_is_the_device_plan_over_random_batches():
+  """numpy runs `_work_items`' statements on the host: the same table as jnp on the device for
+  random ragged batches (1-230 sequences, empty ones included), item budgets and KV head counts."""
+  rng = np.random.default_rng(7)
+  plan = jax.jit(da._work_items, static_argnums=(1, 2, 3))
+  for trial in range(24):
+    batch, kv_heads = int(rng.integers(1, 231)), int(rng.choice([1, 3, 8]))
+    max_pages = int(rng.integers(1, 2049))
+    lengths = rng.integers(0, 16 * max_pages + 1, batch).astype(np.int32)
+    lengths[rng.random(batch) < 0.2] = 0
+    cfg = da.DecodeConfig(schedule="balanced", items=int(rng.choice([0, 1, 33])))
+    table, seq_first = da.host_work_items(lengths, kv_heads, max_pages, cfg)
+    want = plan(jnp.asarray(lengths), kv_heads, max_pages, cfg)
+    assert table.dtype == seq_first.dtype == np.int32, trial
+    np.testing.assert_array_equal(table, want[0], err_msg=f"trial {trial}")
+    np.testing.assert_array_equal(seq_first, want[1], err_msg=f"trial {trial}")
+
+
 @pytest.mark.parametrize("lengths", [[32768] + [1024] * 31, [2048] * 32, [0, 0, 5], [700, 37, 0]])
 def test_host_planned_items_equal_the_device_plan_and_skip_it(lengths):
   """`host_work_items` (numpy, for a caller that knows the lengths) is the device plan; passed as
