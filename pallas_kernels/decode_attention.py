@@ -44,6 +44,7 @@ from pallas_kernels import page_prefetch_mgpu as P
 from pallas_kernels import register_cap_mgpu as RC
 from pallas_kernels import restore_mgpu as R
 from pallas_kernels.merge_items import ITEMS_PER_LOAD, merge_items
+from pallas_kernels.plan_items import plan_items
 from zipfusion_jax.paged.cache import PAGE_SIZE, PagedKVCache
 
 STEP_PAGES = R.PAGES_PER_STEP
@@ -106,7 +107,8 @@ class DecodeConfig:
       every sequence gets `splits` equal page ranges of the cache's `max_pages` (a static grid
       (KV heads, B * splits); a short sequence's CTAs exit at once, a long one's take as long
       as its own range). "balanced": the wrapper plans the items from the lengths on the
-      device, like a paged-attention scheduler: one item size for the batch (`_item_pages`:
+      device (one Pallas Triton kernel, `plan_items`; or the caller on the host,
+      `host_work_items` passed as `work=`), like a paged-attention scheduler: one item size for the batch (`_item_pages`:
       the size whose items finish soonest in waves of the GPU's CTA slots, never below 4
       steps), each sequence cut into as many equal items as that needs, so a 128K sequence
       among short ones is spread over the GPU instead of `splits` CTAs (`splits` is then
@@ -186,7 +188,7 @@ def heuristic_config(batch: int, kv_heads: int, max_pages: int, compressed: bool
   """
   ctas = batch * kv_heads
   steps = -(-max(max_pages, 1) // STEP_PAGES)
-  slots = (CTAS_PER_SM if consumers == 1 else 1) * NUM_SMS
+  slots = _cta_slots(consumers)
   splits = 1
   while ctas * splits < 0.9 * slots and steps // (2 * splits) >= 4:
     splits *= 2
@@ -206,7 +208,8 @@ def default_config(cache: PagedKVCache, schedule: str = "grid") -> DecodeConfig:
 
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
             compressed, version, head_dim, kv_heads, row_stride, max_pages, grid_pages, scale, stages,
-            timing_probe, warp_issue, consumer_registers, consumers, v_after_qk, max_registers, interpret):
+            timing_probe, warp_issue, consumer_registers, consumers, v_after_qk, max_registers, interpret,
+            work_stride=3):
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
@@ -215,8 +218,9 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       same bytes as uint8 [B, Hkv, 4 * nb, 256]: one byte-stage slot, where the tail page lands;
     compressed: arena_ref u8 [U, 256], meta_ref u32 [Hkv, P, 2, 2] (format version 2: [Hkv, P, 2, 4]);
     else: k_pages_ref, v_pages_ref bf16 [Hkv, P, 16, D];
-    work_ref (balanced schedule only): i32 [3 W]: work item w is (sequence b, first page, end
-      page) at 3w (`_work_items`; flat: scalar loads with one dynamic index, as `lengths_ref[b]`);
+    work_ref (balanced schedule only): i32 [3 W] or [4 W]: work item w is (sequence b, first page,
+      end page) at 3w or 4w (`_work_items` / `host_work_items` rows of 3, the device plan's
+      `plan_items` rows of 4; flat: scalar loads with one dynamic index, as `lengths_ref[b]`);
       b = -1 marks an unused item: its CTA returns at once and writes no partial. The grid
       schedule (`grid_pages`, its pages per split) has no table: the kernel computes the row from
       its program id (item s * B + b), so no load stands before its first copies;
@@ -234,10 +238,11 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
     item_end = first_page + grid_pages
   else:
     (work_ref,) = work
-    b = work_ref[3 * item]  # -1: an unused item (balanced schedule), which does nothing at all
+    stride = work_stride  # 3 (`_work_items`, host plans) or 4 (`plan_items`)
+    b = work_ref[stride * item]  # -1: an unused item (balanced schedule), which does nothing at all
     used = b >= 0
     b = jnp.maximum(b, 0)
-    first_page, item_end = work_ref[3 * item + 1], work_ref[3 * item + 2]
+    first_page, item_end = work_ref[stride * item + 1], work_ref[stride * item + 2]
   wg = lax.axis_index("wg")
   (q_smem, stream_or_epilogue, info_smem, chunk_smem, pt_smem, reduce_smem), (q_bar, load_bars, consumed_bars) = scoped
   in_registers = compressed and not interpret  # restore straight into wgmma A fragments
@@ -525,11 +530,12 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   nb = head_dim // 32
   stages, consumers = config.stages, config.consumers
   max_pages = cache.max_pages
+  work_stride = 3
   if config.schedule == "grid":  # the kernel derives its rows from the program id: no table
     work, num_items = (), batch * config.splits
   else:
-    table, seq_first = _work_items(cache.lengths, kv_heads, max_pages, config) if work is None else work
-    work, num_items = (table.reshape(-1),), table.shape[0]
+    table, seq_first = _device_plan(cache.lengths, kv_heads, max_pages, config, interpret) if work is None else work
+    work, num_items, work_stride = (table.reshape(-1),), table.shape[0], table.shape[1]
   stores = (cache.arena, cache.group_meta) if cache.compressed else (cache.k_pages, cache.v_pages)
   version = cache.format_version or 1
   in_registers = cache.compressed and not interpret
@@ -571,7 +577,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       scale=scale, stages=stages,
       timing_probe=config.timing_probe, warp_issue=config.warp_issue,
       consumer_registers=config.consumer_registers, consumers=consumers, v_after_qk=config.v_after_qk,
-      max_registers=config.max_registers, interpret=interpret)
+      max_registers=config.max_registers, interpret=interpret, work_stride=work_stride)
 
   def entry(*refs):
     pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")
@@ -631,8 +637,7 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig, xp
     return xp.stack([b, first, first + pages_per_split], axis=1), None
   steps_up = lambda x: -(-x // STEP_PAGES) * STEP_PAGES
   pages = (lengths.astype(xp.int32) + PAGE_SIZE - 1) // PAGE_SIZE  # [B], the tail page included
-  num_items = (config.items or target_items(kv_heads, config.consumers)) + batch  # static rows per KV head,
-  num_items = -(-num_items // ITEMS_PER_LOAD) * ITEMS_PER_LOAD  # in whole blocks of the merge's loads
+  num_items = _table_rows(batch, kv_heads, config)
   chunk = _item_pages(pages, kv_heads, max_pages, num_items, config.consumers, xp)
   per_item = steps_up(-(-pages // xp.maximum(-(-pages // chunk), 1)))  # equal items of whole steps
   count = -(-pages // xp.maximum(per_item, 1))  # [B], 0 for an empty sequence
@@ -649,6 +654,32 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig, xp
   return work, xp.concatenate([xp.zeros((1,), xp.int32), ends]).astype(xp.int32)
 
 
+def _device_plan(lengths, kv_heads: int, max_pages: int, config: DecodeConfig, interpret: bool):
+  """`_work_items`' balanced plan as one Pallas kernel (`plan_items`: table rows of 4), for a call
+  without `work=`: XLA ran the jnp statements as 9-10 small kernels."""
+  return plan_items(
+      lengths, kv_heads=kv_heads, num_items=_table_rows(lengths.shape[0], kv_heads, config),
+      candidates=_size_candidates(max_pages), slots=_cta_slots(config.consumers), page_size=PAGE_SIZE,
+      step_pages=STEP_PAGES, min_pages=MIN_ITEM_PAGES, overhead_pages=ITEM_OVERHEAD_PAGES, interpret=interpret)
+
+
+def _table_rows(batch: int, kv_heads: int, config: DecodeConfig) -> int:
+  """The balanced schedule's static work-table rows per KV head: `config.items` (0: `target_items`)
+  + B, rounded up to whole blocks of the merge's loads."""
+  rows = (config.items or target_items(kv_heads, config.consumers)) + batch
+  return -(-rows // ITEMS_PER_LOAD) * ITEMS_PER_LOAD
+
+
+def _size_candidates(max_pages: int) -> int:
+  """How many item sizes `_item_pages` weighs: the longest sequence cut into n = 1, 2, ... items."""
+  return min(-(-(max_pages + 1) // MIN_ITEM_PAGES), 1024)
+
+
+def _cta_slots(consumers: int) -> int:
+  """CTAs the GPU runs at once: two per SM with one consumer warpgroup, one with two."""
+  return (CTAS_PER_SM if consumers == 1 else 1) * NUM_SMS
+
+
 def _grid_pages(max_pages: int, config: DecodeConfig) -> int:
   """The grid schedule's pages per split: `max_pages + 1` (the tail page) over `splits`, whole steps."""
   return -(-(max_pages + 1) // (config.splits * STEP_PAGES)) * STEP_PAGES
@@ -657,8 +688,7 @@ def _grid_pages(max_pages: int, config: DecodeConfig) -> int:
 def target_items(kv_heads: int, consumers: int = 1) -> int:
   """The balanced schedule's item budget per KV head beyond one per sequence: two waves of the GPU's
   CTA slots (the static grid is this + B items per KV head)."""
-  slots = (CTAS_PER_SM if consumers == 1 else 1) * NUM_SMS
-  return max(1, math.ceil(2 * slots / kv_heads))
+  return max(1, math.ceil(2 * _cta_slots(consumers) / kv_heads))
 
 
 ITEM_OVERHEAD_PAGES = 4 * STEP_PAGES  # an item's fixed cost (prologue, pipeline fill, epilogue, its combine
@@ -678,11 +708,10 @@ def _item_pages(pages, kv_heads: int, max_pages: int, num_items: int, consumers:
   8192: four of 128 pages); one 32K sequence among 31 of 1K gets 64-page items, not one CTA per
   KV head."""
   steps_up = lambda x: -(-x // STEP_PAGES) * STEP_PAGES
-  n = xp.arange(1, min(-(-(max_pages + 1) // MIN_ITEM_PAGES), 1024) + 1, dtype=xp.int32)  # static candidates
+  n = xp.arange(1, _size_candidates(max_pages) + 1, dtype=xp.int32)  # static candidates
   sizes = xp.maximum(MIN_ITEM_PAGES, steps_up(-(-xp.max(pages, initial=0) // n)))  # [n], non-increasing
   items = xp.sum(-(-pages[None, :] // sizes[:, None]), axis=1)  # [n]
-  slots = (CTAS_PER_SM if consumers == 1 else 1) * NUM_SMS
-  waves = -(-items * kv_heads // slots)
+  waves = -(-items * kv_heads // _cta_slots(consumers))
   cost = xp.where(items <= num_items, waves * (sizes + ITEM_OVERHEAD_PAGES), xp.iinfo(xp.int32).max)
   return sizes[xp.argmin(cost)]  # the first minimum: the largest size among equals
 

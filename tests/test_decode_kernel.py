@@ -292,6 +292,31 @@ def test_host_plan_is_the_device_plan_over_random_batches():
     np.testing.assert_array_equal(seq_first, want[1], err_msg=f"trial {trial}")
 
 
+def test_the_plan_kernel_interpreted_makes_the_host_plans_items():
+  """`plan_items` (one Triton program: the candidates, the cumulative sum and the rows in blocks)
+  against `host_work_items` over random ragged batches: batches past one candidate block's and one
+  row block's width (B up to 300), every KV head count, both consumer counts, item budgets, empty
+  sequences and an all-empty batch; the zero fourth column; lowered, it is one Triton call."""
+  rng = np.random.default_rng(11)
+  cases = [(np.zeros(5, np.int32), 8, 40, da.DecodeConfig(schedule="balanced"))]
+  for _ in range(6):
+    batch, max_pages = int(rng.integers(1, 301)), int(rng.integers(1, 8193))
+    lengths = rng.integers(0, 16 * max_pages + 1, batch).astype(np.int32)
+    lengths[rng.random(batch) < 0.2] = 0
+    cfg = da.DecodeConfig(schedule="balanced", items=int(rng.choice([0, 1, 33])), consumers=int(rng.choice([1, 2])))
+    cases.append((lengths, int(rng.choice([1, 3, 8])), max_pages, cfg))
+  for lengths, kv_heads, max_pages, cfg in cases:
+    table, seq_first = da._device_plan(jnp.asarray(lengths), kv_heads, max_pages, cfg, True)
+    want_table, want_first = da.host_work_items(lengths, kv_heads, max_pages, cfg)
+    chex.assert_shape(table, (want_table.shape[0], 4))
+    np.testing.assert_array_equal(np.asarray(table)[:, :3], want_table)
+    np.testing.assert_array_equal(np.asarray(table)[:, 3], 0)
+    np.testing.assert_array_equal(seq_first, want_first)
+  text = _lower_text(lambda n: da._device_plan(n, 8, 2048, da.DecodeConfig(schedule="balanced"), False),
+                     jnp.zeros((37,), jnp.int32))
+  assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 1 and "zipfusion_plan_items" in text
+
+
 @pytest.mark.parametrize("lengths", [[32768] + [1024] * 31, [2048] * 32, [0, 0, 5], [700, 37, 0]])
 def test_host_planned_items_equal_the_device_plan_and_skip_it(lengths):
   """`host_work_items` (numpy, for a caller that knows the lengths) is the device plan; passed as
@@ -313,8 +338,7 @@ def test_host_planned_items_equal_the_device_plan_and_skip_it(lengths):
   lowered = lambda work: _lower_text(lambda q, c, w: da._decode_attention(q, c, 0.125, cfg, False, work=w), q, cache, work)
   with_plan, without = lowered(None), lowered((table, seq_first))
   assert len(re.findall(r"custom_call @mosaic_gpu", without)) == 1
-  assert "cumsum" in with_plan and "cumsum" not in without  # (jax lowers cumsum to a private @cumsum)
-  assert without.count("reduce") < with_plan.count("reduce")
+  assert "zipfusion_plan_items" in with_plan and "zipfusion_plan_items" not in without
   with pytest.raises(ValueError, match="balanced"):
     da.decode_attention_pallas(q, cache, 0.125, config=da.DecodeConfig(), work=(table, seq_first))
   with pytest.raises(TypeError, match="work"):
@@ -390,14 +414,17 @@ def test_item_merge_kernel_refuses_bad_partials():
 
 @pytest.mark.parametrize("compressed", [True, False])
 def test_balanced_schedule_lowers_to_one_mosaic_gpu_kernel(compressed):
+  """Planned on the device, the call is three kernels: the plan and the merge (Triton), the
+  attention (Mosaic GPU); no XLA op computes the plan (no reduction, no cumulative sum)."""
   k, v = _kv(3, 300, 2, 128)
   cache = zf.paged_cache_from_dense(k, v, np.array([300, 37, 0]), compressed=compressed)
   q = jnp.zeros((3, 8, 128), jnp.bfloat16)
   cfg = da.DecodeConfig(schedule="balanced", stages=2, v_after_qk=compressed)
   text = _lower_text(lambda q, c: da._decode_attention(q, c, 0.125, cfg, True), q, cache)
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
-  assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 1  # the merge: one Triton kernel
-  assert "zipfusion_merge_items" in text
+  assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 2  # the plan and the merge
+  assert "zipfusion_plan_items" in text and "zipfusion_merge_items" in text
+  assert not re.search(r"= stablehlo\.reduce", text) and "@cumsum" not in text  # (inside the kernels' payloads only)
   items = -(-(da.target_items(2) + 3) // 8) * 8
   assert re.search(rf"tensor<{items}x2x1x128x8xf32>", text), "the grid is not (KV heads, target + B items)"
 
