@@ -12,7 +12,9 @@ mkdir -p "$out"
 # one-long mix's merge from 41.2 to 9.2 us (the mix 85.2 us against the grid's 614.9). Not yet run
 # anywhere: the serving engine with the host-planned balanced schedule on a ragged batch
 # (`run_priority.sh serving`: benchmarks.generate --lengths uniform --schedules grid,balanced,
-# ~300 s for both stores, KV=compressed halves it). Then issue 3's compressor on the H200.
+# ~300 s for both stores, KV=compressed halves it), and the balanced schedule's device plan as one
+# Triton kernel (`plan_items`, was 9-10 XLA kernels: `run_priority.sh ragged`, its `balanced`
+# column). Then issue 3's compressor on the H200.
 # `bash benchmarks/run_priority.sh` with no step runs compress serving attention on an H200.
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 330 python3 -m benchmarks.generate --models llama3.1-8b --batch 32 --context 8192 --lengths uniform --schedules grid,balanced --decode-steps 32 --out "$out/generate_ragged_h200.json" 2>&1 | grep -E "tok/s|Error"
 # 000. (Fourteenth session, 2026-12-07; measured in the fifteenth, above.) The balanced schedule's merge is one Pallas Triton kernel

@@ -9,7 +9,7 @@
 # (the balanced schedule with one wave of spare items per KV head, not two: fewer unused CTAs at
 # equal lengths, where it is 2.5-5.4% behind the grid on the H100). No step:
 # compress serving attention (H200) or serving ragged (H100): the engine's host-planned balanced
-# schedule has not been timed on a ragged batch.
+# schedule has not been timed on a ragged batch, nor the device plan's kernel (`plan_items`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
