@@ -794,12 +794,10 @@ def check_work_items(work, batch: int) -> None:
 
 
 def host_work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
-  """The balanced schedule's items planned on the host (`_work_items`' own statements, run by
-  numpy: 145 us for 64 sequences of up to 32K on a 2-core CI machine, where jax's CPU backend took
-  275 us, and no compile per shape):
-  numpy (int32 [W, 3], int32 [B + 1]) for `decode_attention_pallas(..., work=...)`, so a caller
-  that knows the lengths (a serving engine's scheduler, each step) keeps the plan's small kernels
-  off the GPU."""
+  """The balanced schedule's items planned on the host: `_work_items`' own statements run by numpy
+  (no jax dispatch, no compile per shape). Returns numpy (int32 [W, 3], int32 [B + 1]) for
+  `decode_attention_pallas(..., work=...)`, so a caller that knows the lengths (a serving
+  engine's scheduler, each step) keeps the plan off the GPU."""
   table, seq_first = _work_items(np.asarray(lengths, np.int32), kv_heads, max_pages, config, xp=np)
   return np.ascontiguousarray(table, np.int32), np.ascontiguousarray(seq_first, np.int32)
 
