@@ -127,7 +127,7 @@ def main(argv=None):
   p.add_argument("--decode-steps", type=int, default=16)
   p.add_argument("--out", type=pathlib.Path, default=None)
   a = p.parse_args(argv)
-  schedules, kv_stores = tuple(a.schedules.split(",")), tuple(a.kv.split(","))
+  schedules, kv_stores = (tuple(dict.fromkeys(x.split(","))) for x in (a.schedules, a.kv))  # each once, in order
   if unknown := set(kv_stores) - set(KV_STORES):
     p.error(f"--kv: unknown {sorted(unknown)}; choose from {', '.join(KV_STORES)}")
   if unknown := set(schedules) - set(SCHEDULES):

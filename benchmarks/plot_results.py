@@ -161,7 +161,7 @@ def draw_ragged_schedules(ax, result: dict) -> None:
     ax.bar_label(bars, [f"{y:.2f}" for y in ys], fontsize=6)
   ax.axhline(1.0, color="black", lw=0.8)
   ax.set_yscale("log")
-  ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([0.5, 0.75, 1, 1.5, 2, 4, 8]))
+  ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([0.25, 0.5, 0.75, 1, 1.5, 2, 4, 8, 16, 32]))
   ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}x"))
   ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
   store_name = {"zipfusion_compressed": "12-bit", "zipfusion_uncompressed": "BF16"}
@@ -169,7 +169,8 @@ def draw_ragged_schedules(ax, result: dict) -> None:
                 fontsize=7)
   ax.set_ylabel("speed vs the grid schedule")
   ax.set_title(f"Ragged batches: work schedules ({result['device']}, {result['date']})", fontsize=9)
-  ax.legend(fontsize=7)
+  if schedules:
+    ax.legend(fontsize=7)
 
 
 def save(draw, result: dict, out: pathlib.Path, figsize: tuple[float, float]) -> None:

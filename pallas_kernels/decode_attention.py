@@ -756,7 +756,7 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
     scale: softmax scale. config: None picks `default_config(cache)` (`heuristic_config` for its store).
     work: the balanced schedule's items planned beforehand, `host_work_items(lengths, ...)` (int32
       [W, 3] rows, int32 [B + 1] first item of each sequence); None plans them on the device from
-      `cache.lengths` (a few small XLA kernels before the attention kernel). Only with
+      `cache.lengths` (one small Triton kernel before the attention kernel, `plan_items`). Only with
       `config.schedule == "balanced"`; they must be the plan of `cache.lengths`.
     interpret: None = interpret off-GPU. Interpret mode runs this kernel body on the
       CPU with static substitutions for what inline PTX does on the GPU: the jnp codec
@@ -798,7 +798,11 @@ def host_work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig
   (no jax dispatch, no compile per shape). Returns numpy (int32 [W, 3], int32 [B + 1]) for
   `decode_attention_pallas(..., work=...)`, so a caller that knows the lengths (a serving
   engine's scheduler, each step) keeps the plan off the GPU."""
-  table, seq_first = _work_items(np.asarray(lengths, np.int32), kv_heads, max_pages, config, xp=np)
+  lengths = np.asarray(lengths, np.int32)
+  if config.schedule != "balanced" or lengths.ndim != 1 or not lengths.size:
+    raise ValueError(f"host_work_items plans the balanced schedule for lengths int [B >= 1]; got schedule "
+                     f"{config.schedule!r}, lengths of shape {lengths.shape}")
+  table, seq_first = _work_items(lengths, kv_heads, max_pages, config, xp=np)
   return np.ascontiguousarray(table, np.int32), np.ascontiguousarray(seq_first, np.int32)
 
 

@@ -290,6 +290,10 @@ def test_host_plan_is_the_device_plan_over_random_batches():
     assert table.dtype == seq_first.dtype == np.int32, trial
     np.testing.assert_array_equal(table, want[0], err_msg=f"trial {trial}")
     np.testing.assert_array_equal(seq_first, want[1], err_msg=f"trial {trial}")
+  for lengths, cfg in ((np.array([5]), da.DecodeConfig()), (np.zeros((0,), np.int32), da.DecodeConfig(schedule="balanced")),
+                       (np.zeros((2, 2), np.int32), da.DecodeConfig(schedule="balanced"))):
+    with pytest.raises(ValueError, match="balanced schedule for lengths"):
+      da.host_work_items(lengths, 8, 40, cfg)
 
 
 def test_the_plan_kernel_interpreted_makes_the_host_plans_items():
