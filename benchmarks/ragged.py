@@ -1,6 +1,7 @@
 """Decode attention over ragged batches: the grid schedule against the balanced one (one device call).
 
-  python -m benchmarks.ragged [--mixes one_long,uniform,equal_32x2048,equal_8x8192] [--items N] [--out FILE]
+  python -m benchmarks.ragged [--mixes one_long,uniform,equal_32x2048,equal_8x8192] [--items N]
+      [--check-plans] [--out FILE]
   python -m benchmarks.ragged --plan [--mixes ...]   # no kernel: each schedule's items (any machine)
 
 Llama-3.1-8B attention shapes (32 q / 8 KV heads, D = 128, page 16), K/V from
@@ -39,8 +40,8 @@ import zipfusion_jax as zf
 from benchmarks.attention import BF16_TOL, synthetic_kv  # the same generator, so its tolerance
 from benchmarks.compress import cupti_us
 from models.configs import get_config
-from pallas_kernels.decode_attention import (_work_items, decode_attention_pallas, default_config, heuristic_config,
-                                             host_work_items)
+from pallas_kernels.decode_attention import (DecodeConfig, _device_plan, _work_items, decode_attention_pallas,
+                                             default_config, heuristic_config, host_work_items)
 
 
 MIXES = {
@@ -123,12 +124,41 @@ def plan_rows(name, lengths, cfg, items=0):
   return rows
 
 
+def check_device_plans(trials: int = 28, seed: int = 0) -> list[dict]:
+  """The device plan (`plan_items`, compiled where jax runs: the GPU) against `host_work_items` over
+  random ragged batches (B 1..4097, ~20% empty, item budgets, KV heads and consumer counts drawn);
+  raises on the first table or `seq_first` that differs. Rows: {"batch", "kv_heads", "max_pages",
+  "items", "consumers", "equal"}."""
+  rng, rows = np.random.default_rng(seed), []
+  for trial in range(trials):
+    batch = int(rng.choice([1, 2, 3, 7, 8, 37, 64, 65, 128, 129, 300, 1000, 4097]))
+    max_pages, kv_heads = int(rng.integers(1, 8193)), int(rng.choice([1, 3, 8]))
+    lengths = rng.integers(0, 16 * max_pages + 1, batch).astype(np.int32)
+    lengths[rng.random(batch) < 0.2] = 0
+    if trial == 0:
+      lengths[:] = 0
+    config = DecodeConfig(schedule="balanced", items=int(rng.choice([0, 1, 33])), consumers=int(rng.choice([1, 2])))
+    on_cpu = jax.default_backend() != "gpu"  # interpreted there (slow: a test-sized smoke run only)
+    table, seq_first = jax.device_get(_device_plan(jnp.asarray(lengths), kv_heads, max_pages, config, on_cpu))
+    want_table, want_first = host_work_items(lengths, kv_heads, max_pages, config)
+    equal = bool(np.array_equal(table[:, :3], want_table) and not table[:, 3].any()
+                 and np.array_equal(seq_first, want_first))
+    rows.append(dict(batch=batch, kv_heads=kv_heads, max_pages=max_pages, items=config.items,
+                     consumers=config.consumers, equal=equal))
+    if not equal:
+      raise AssertionError(f"device plan differs from the host plan: {rows[-1]}")
+  print(f"device plans: {trials} random batches equal to the host plans ({jax.devices()[0].device_kind})", flush=True)
+  return rows
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--mixes", default=",".join(MIXES))
   p.add_argument("--model", default="llama3.1-8b")
   p.add_argument("--items", type=int, default=0, help="balanced: work items per KV head (0: target_items)")
   p.add_argument("--plan", action="store_true", help="print each schedule's work items; no kernel runs")
+  p.add_argument("--check-plans", action="store_true",
+                 help="first compare the device plan's kernel with the host plan over random batches")
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
   cfg = get_config(a.model)
@@ -137,6 +167,8 @@ def main(argv=None):
             for row in plan_rows(name, MIXES[name](np.random.default_rng(0)).astype(np.int32), cfg, a.items)]
   result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
                 model=a.model, rows=[])
+  if a.check_plans:
+    result["device_plan_checks"] = check_device_plans()
   for i, name in enumerate(a.mixes.split(",")):
     lengths = MIXES[name](np.random.default_rng(0)).astype(np.int32)
     result["rows"] += run_mix(name, lengths, cfg, jax.random.key(i), a.items)

@@ -41,7 +41,7 @@ for step in "${steps[@]}"; do
       timeout -s KILL 260 python3 -m benchmarks.ragged --items 33 --out "$out/ragged_items33_$tag.json" 2>&1 \
         | grep -vE "Warning|^\s*$" | cut -c1-250 ;;
     ragged)
-      timeout -s KILL 260 python3 -m benchmarks.ragged --out "$out/ragged_$tag.json" 2>&1 | grep -vE "Warning|^\s*$" | cut -c1-250 ;;
+      timeout -s KILL 260 python3 -m benchmarks.ragged --check-plans --out "$out/ragged_$tag.json" 2>&1 | grep -vE "Warning|^\s*$" | cut -c1-250 ;;
     attention)
       timeout -s KILL 200 python3 -m benchmarks.attention --shapes 32x2048,8x8192 \
         --out "$out/attention_${tag}_target_shapes.json" 2>&1 | grep -vE "^\s*$|Warning" | cut -c1-250 ;;

@@ -72,3 +72,12 @@ def test_ragged_schedules_plot_shows_each_schedules_speed_over_the_grid(tmp_path
   assert [p.name for p in tmp_path.glob("*.png")] == ["ragged_schedules.png"]
   with pytest.raises(SystemExit):
     plot_results.main(["--ragged", str(tmp_path / "absent.json"), "--out-dir", str(tmp_path)])
+
+
+def test_device_plan_check_runs_and_reports_each_batch():
+  """`benchmarks.ragged --check-plans`' comparison (interpreted here; compiled on a GPU)."""
+  from benchmarks import ragged
+
+  rows = ragged.check_device_plans(trials=3, seed=1)
+  assert len(rows) == 3 and all(r["equal"] for r in rows)
+  assert rows[0]["batch"] >= 1
