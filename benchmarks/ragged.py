@@ -130,6 +130,7 @@ def check_device_plans(trials: int = 28, seed: int = 0) -> list[dict]:
   raises on the first table or `seq_first` that differs. Rows: {"batch", "kv_heads", "max_pages",
   "items", "consumers", "equal"}."""
   rng, rows = np.random.default_rng(seed), []
+  on_cpu = jax.default_backend() != "gpu"  # interpreted there (slow: a test-sized smoke run only)
   for trial in range(trials):
     batch = int(rng.choice([1, 2, 3, 7, 8, 37, 64, 65, 128, 129, 300, 1000, 4097]))
     max_pages, kv_heads = int(rng.integers(1, 8193)), int(rng.choice([1, 3, 8]))
@@ -138,7 +139,6 @@ def check_device_plans(trials: int = 28, seed: int = 0) -> list[dict]:
     if trial == 0:
       lengths[:] = 0
     config = DecodeConfig(schedule="balanced", items=int(rng.choice([0, 1, 33])), consumers=int(rng.choice([1, 2])))
-    on_cpu = jax.default_backend() != "gpu"  # interpreted there (slow: a test-sized smoke run only)
     table, seq_first = jax.device_get(_device_plan(jnp.asarray(lengths), kv_heads, max_pages, config, on_cpu))
     want_table, want_first = host_work_items(lengths, kv_heads, max_pages, config)
     equal = bool(np.array_equal(table[:, :3], want_table) and not table[:, 3].any()

@@ -209,7 +209,7 @@ def default_config(cache: PagedKVCache, schedule: str = "grid") -> DecodeConfig:
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
             compressed, version, head_dim, kv_heads, row_stride, max_pages, grid_pages, scale, stages,
             timing_probe, warp_issue, consumer_registers, consumers, v_after_qk, max_registers, interpret,
-            work_stride=3):
+            work_stride=3):  # work_stride: 3 (`host_work_items` rows) or 4 (`plan_items` rows)
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
@@ -238,11 +238,10 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
     item_end = first_page + grid_pages
   else:
     (work_ref,) = work
-    stride = work_stride  # 3 (`_work_items`, host plans) or 4 (`plan_items`)
-    b = work_ref[stride * item]  # -1: an unused item (balanced schedule), which does nothing at all
+    b = work_ref[work_stride * item]  # -1: an unused item (balanced schedule), which does nothing at all
     used = b >= 0
     b = jnp.maximum(b, 0)
-    first_page, item_end = work_ref[stride * item + 1], work_ref[stride * item + 2]
+    first_page, item_end = work_ref[work_stride * item + 1], work_ref[work_stride * item + 2]
   wg = lax.axis_index("wg")
   (q_smem, stream_or_epilogue, info_smem, chunk_smem, pt_smem, reduce_smem), (q_bar, load_bars, consumed_bars) = scoped
   in_registers = compressed and not interpret  # restore straight into wgmma A fragments
@@ -617,7 +616,8 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig, xp
   grid: item s * B + b is split s of sequence b, `pages_per_split` pages of the cache's
   `max_pages + 1` (static, as before: B * splits items). The kernel computes these rows from its
   program id; the table is what `benchmarks.ragged --plan` and the tests read.
-  balanced (from `lengths`, on the device or through `host_work_items`): an item size c
+  balanced (from `lengths`; this is the plan's statement: `host_work_items` runs it in numpy, and
+  the device runs the same statements as one kernel, `plan_items`): an item size c
   (`_item_pages`: whole steps, >= 16 pages, the size whose items finish soonest in waves of the
   GPU's CTA slots), and sequence b cut into n_b = ceil(p_b / c) items of equal size (rounded up
   to whole steps), in sequence order. The static item count is W = `config.items` (0:
@@ -626,8 +626,8 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig, xp
   (-1, 0, 0), whose CTAs return at once (no Q copy, no output write; an unused CTA costs its
   launch and one load), and `merge_items` never reads them.
 
-  `xp`: the array namespace the plan is computed in: `jnp` (traced, on the device) or `numpy`
-  (`host_work_items`: the same statements, run by numpy on the host).
+  `xp`: the array namespace the plan is computed in: `numpy` (`host_work_items`) or `jnp` (the
+  tests' and `benchmarks.ragged --plan`'s reference).
   """
   batch = lengths.shape[0]
   if config.schedule == "grid":
@@ -643,8 +643,8 @@ def _work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig, xp
   count = -(-pages // xp.maximum(per_item, 1))  # [B], 0 for an empty sequence
   ends = xp.cumsum(count, dtype=xp.int32)
   w = xp.arange(num_items, dtype=xp.int32)
-  # Sequence of item w: how many sequences end at or before it (B past the last used item). One
-  # compare-and-count fusion: `searchsorted`'s default is a loop of small kernels on the GPU.
+  # Sequence of item w: how many sequences end at or before it (B past the last used item): a
+  # compare-and-count, as `plan_items` does it in registers.
   b = xp.sum(ends[None, :] <= w[:, None], axis=1, dtype=xp.int32)
   used = b < batch
   bc = xp.minimum(b, batch - 1)

@@ -76,13 +76,12 @@ def _plan_kernel(lengths_ref, table_ref, first_ref, *, batch: int, kv_heads: int
   def write_rows(block, _):
     w = block * rows + lax.broadcasted_iota(jnp.int32, (rows,), 0)
     b = jnp.sum(jnp.where(real[None, :] & (ends[None, :] <= w[:, None]), 1, 0), axis=1)  # sequences ended by w
-    used = b < batch
-    mine = seq[None, :] == jnp.minimum(b, batch - 1)[:, None]  # [rows, B] one-hot
+    used, bc = b < batch, jnp.minimum(b, batch - 1)
+    mine = seq[None, :] == bc[:, None]  # [rows, B] one-hot
     start = jnp.sum(jnp.where(mine, starts[None, :], 0), axis=1)
     size = jnp.sum(jnp.where(mine, per_item[None, :], 0), axis=1)
     first = (w - start) * size
-    b, first, end = (jnp.where(used, x, fill) for x, fill in ((jnp.minimum(b, batch - 1), -1), (first, 0),
-                                                               (first + size, 0)))
+    b, first, end = (jnp.where(used, x, fill) for x, fill in ((bc, -1), (first, 0), (first + size, 0)))
     table = jnp.where(column == 0, b[:, None], jnp.where(column == 1, first[:, None],
                                                          jnp.where(column == 2, end[:, None], 0)))
     pltr.store(table_ref.at[pl.ds(block * rows, rows), :], table, mask=(w < num_items)[:, None])

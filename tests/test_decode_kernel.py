@@ -275,8 +275,8 @@ def test_balanced_items_cover_every_page_once_in_equal_whole_steps(lengths, kv_h
 
 
 def test_host_plan_is_the_device_plan_over_random_batches():
-  """numpy runs `_work_items`' statements on the host: the same table as jnp on the device for
-  random ragged batches (1-230 sequences, empty ones included), item budgets and KV head counts."""
+  """numpy runs `_work_items`' statements on the host: the same table as jnp (the reference the
+  plan kernel is also checked against) for random ragged batches (1-230 sequences, empty ones included), item budgets and KV head counts."""
   rng = np.random.default_rng(7)
   plan = jax.jit(da._work_items, static_argnums=(1, 2, 3))
   for trial in range(24):
@@ -323,8 +323,8 @@ def test_the_plan_kernel_interpreted_makes_the_host_plans_items():
 
 @pytest.mark.parametrize("lengths", [[32768] + [1024] * 31, [2048] * 32, [0, 0, 5], [700, 37, 0]])
 def test_host_planned_items_equal_the_device_plan_and_skip_it(lengths):
-  """`host_work_items` (numpy, for a caller that knows the lengths) is the device plan; passed as
-  `work=`, the jitted call has no plan left in it, only the kernel and the combine."""
+  """`host_work_items` (numpy, for a caller that knows the lengths) is the jnp plan; passed as
+  `work=`, the jitted call has no plan kernel left in it, only the attention and the merge."""
   lengths = np.asarray(lengths, np.int32)
   cfg = da.DecodeConfig(schedule="balanced")
   max_pages = int(lengths.max()) // 16
