@@ -138,7 +138,7 @@ def draw_attention_speedup(ax, result: dict) -> None:
   ax.legend(fontsize=7)
 
 
-SCHEDULE_COLORS = {"grid": "tab:gray", "balanced": "tab:cyan", "balanced_host": "tab:green"}
+SCHEDULE_COLORS = {"grid": "tab:gray", "balanced": "tab:cyan", "balanced_host": "tab:green", "balanced_fit": "tab:olive"}
 
 
 def draw_ragged_schedules(ax, result: dict) -> None:

@@ -8,8 +8,9 @@ Llama-3.1-8B attention shapes (32 q / 8 KV heads, D = 128, page 16), K/V from
 `benchmarks.attention.problem`'s generator at realistic eligibility. Per length mix, the fused
 kernel on the 12-bit store (format 1) and on BF16 pages, each under its default config
 (`default_config`: the grid schedule, splits from the slot count and `max_pages`) and under the
-same config with `schedule="balanced"` (work items planned from the lengths on the device, and
-`balanced_host`: planned on the host beforehand, `host_work_items`), all timed in the same run
+same config with `schedule="balanced"` (work items planned from the lengths on the device;
+`balanced_host`: planned on the host beforehand, `host_work_items`; `balanced_fit`: the host's
+table cut to the rows in use, `fit_rows=True`), all timed in the same run
 (CUPTI kernel time, median of 10: the device plan's few small jnp ops included).
 Every output is checked against the jnp reference first (`attention.BF16_TOL`, as for
 `benchmarks.attention`'s rows on the same generator). Mixes:
@@ -53,6 +54,9 @@ MIXES = {
 }
 
 
+SCHEDULES = ("grid", "balanced", "balanced_host", "balanced_fit")
+
+
 def ragged_problem(key, cfg, lengths):
   """q, both caches (12-bit format 1, BF16 pages) and their stored bytes for `lengths`."""
   batch, seq = len(lengths), -(-int(lengths.max()) // 16) * 16  # whole pages: the generator fills pages
@@ -81,13 +85,15 @@ def run_mix(name, lengths, cfg, key, items=0):
   ref = zf.paged_decode_attention(q, plain, impl="reference").astype(jnp.float32)
   rows = []
   for path, cache in (("zipfusion_compressed", comp), ("zipfusion_uncompressed", plain)):
-    for schedule in ("grid", "balanced", "balanced_host"):
-      c = dataclasses.replace(default_config(cache, schedule.removesuffix("_host")),
+    for schedule in SCHEDULES:
+      c = dataclasses.replace(default_config(cache, schedule.split("_")[0]),
                               items=items if schedule != "grid" else 0)
       # balanced_host: the items planned on the host beforehand (as a serving engine would), so
-      # only the kernel and the combine run on the GPU
-      work = (tuple(map(jnp.asarray, host_work_items(lengths, cfg.kv_heads, cache.max_pages, c)))
-              if schedule == "balanced_host" else None)
+      # only the kernel and the combine run on the GPU; balanced_fit: the same table cut to the
+      # used rows (`fit_rows`), so no unused row launches a CTA
+      work = (tuple(map(jnp.asarray, host_work_items(lengths, cfg.kv_heads, cache.max_pages, c,
+                                                     fit_rows=schedule == "balanced_fit")))
+              if schedule in ("balanced_host", "balanced_fit") else None)
       f = jax.jit(lambda q, cache, work, c=c: decode_attention_pallas(q, cache, scale, config=c, work=work))
       err = float(jnp.max(jnp.abs(f(q, cache, work).astype(jnp.float32) - ref)))
       if not err <= BF16_TOL:

@@ -793,17 +793,34 @@ def check_work_items(work, batch: int) -> None:
       raise ValueError(f"work's seq_first={seq_first.tolist()} must rise from 0 to at most W = {table.shape[0]}")
 
 
-def host_work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig):
+def host_work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig, fit_rows: bool = False):
   """The balanced schedule's items planned on the host: `_work_items`' own statements run by numpy
   (no jax dispatch, no compile per shape). Returns numpy (int32 [W, 3], int32 [B + 1]) for
   `decode_attention_pallas(..., work=...)`, so a caller that knows the lengths (a serving
-  engine's scheduler, each step) keeps the plan off the GPU."""
+  engine's scheduler, each step) keeps the plan off the GPU.
+
+  fit_rows: keep only `fitted_rows(...)` rows of the table (the used items, rounded up to a few
+  sizes), so fewer unused rows launch a CTA each: W = B = 32 instead of 104 at 32 x 2048. Each
+  distinct W compiles its own kernel; the sizes double from B, so a batch width has at most
+  log2(W / B) + 2 of them."""
   lengths = np.asarray(lengths, np.int32)
   if config.schedule != "balanced" or lengths.ndim != 1 or not lengths.size:
     raise ValueError(f"host_work_items plans the balanced schedule for lengths int [B >= 1]; got schedule "
                      f"{config.schedule!r}, lengths of shape {lengths.shape}")
   table, seq_first = _work_items(lengths, kv_heads, max_pages, config, xp=np)
+  if fit_rows:
+    table = table[:fitted_rows(int(seq_first[-1]), lengths.size, table.shape[0])]
   return np.ascontiguousarray(table, np.int32), np.ascontiguousarray(seq_first, np.int32)
+
+
+def fitted_rows(used: int, batch: int, rows: int) -> int:
+  """The table rows `host_work_items(..., fit_rows=True)` keeps for `used` items of a batch of
+  `batch` sequences in a static table of `rows`: the first of B, 2B, 4B, ... (each rounded up to
+  whole blocks of the merge's loads) that holds them, at most `rows`."""
+  size = -(-max(batch, 1) // ITEMS_PER_LOAD) * ITEMS_PER_LOAD
+  while size < min(used, rows):
+    size *= 2
+  return min(size, rows)
 
 
 # Compiled path. Interpret mode runs un-jitted: the interpreter's kernel leaves a wgmma effect

@@ -447,6 +447,42 @@ def test_balanced_schedule_interpreted_matches_the_reference_and_both_stores_agr
   assert np.all(outs[0][lengths == 0] == 0)
 
 
+def test_fitted_tables_keep_every_used_row_in_few_sizes():
+  """`host_work_items(..., fit_rows=True)`: the full table's first rows, every used item among them,
+  a multiple of the merge's 8 loads, one of B, 2B, 4B, ... (rounded to 8) or the full table; equal
+  lengths at 32 x 2048 launch 32 rows instead of 104."""
+  rng = np.random.default_rng(5)
+  for trial in range(40):
+    batch, kv_heads, max_pages = int(rng.integers(1, 200)), int(rng.choice([1, 3, 8])), int(rng.integers(1, 2049))
+    lengths = rng.integers(0, 16 * max_pages + 1, batch).astype(np.int32)
+    lengths[rng.random(batch) < 0.2] = 0
+    cfg = da.DecodeConfig(schedule="balanced", items=int(rng.choice([0, 1, 33])))
+    full, first = da.host_work_items(lengths, kv_heads, max_pages, cfg)
+    fit, fit_first = da.host_work_items(lengths, kv_heads, max_pages, cfg, fit_rows=True)
+    np.testing.assert_array_equal(fit_first, first)
+    np.testing.assert_array_equal(fit, full[:len(fit)], err_msg=f"trial {trial}")
+    assert first[-1] <= len(fit) and len(fit) % 8 == 0 and np.all(full[len(fit):, 0] == -1), trial
+    sizes = {-(-batch // 8) * 8 * 2 ** i for i in range(12)} | {len(full)}
+    assert len(fit) in sizes and len(fit) <= len(full), trial
+  equal = np.full(32, 2048, np.int32)
+  cfg = da.DecodeConfig(schedule="balanced")
+  assert [len(da.host_work_items(equal, 8, 128, cfg, fit_rows=f)[0]) for f in (False, True)] == [104, 32]
+  assert da.fitted_rows(0, 3, 24) == 8 and da.fitted_rows(9, 3, 24) == 16 and da.fitted_rows(17, 3, 24) == 24
+
+
+def test_a_fitted_table_gives_the_full_tables_output_bit_for_bit():
+  """The interpreted kernel over the fitted table (8 rows) and over the full one (24): same bits."""
+  q, k, v, lengths = _interpreted_problem(3, 700, 1, 4, 64, [700, 37, 0])
+  comp = zf.paged_cache_from_dense(k, v, lengths, compressed=True)
+  cfg = da.DecodeConfig(schedule="balanced", items=20, stages=2)
+  outs = []
+  for fit in (False, True):
+    work = da.host_work_items(lengths, 1, comp.max_pages, cfg, fit_rows=fit)
+    assert len(work[0]) == (8 if fit else 24)
+    outs.append(np.asarray(da.decode_attention_pallas(q, comp, 0.125, config=cfg, work=work, interpret=True)).view(np.uint16))
+  np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_bad_impl_is_refused():
   k, v = _kv(1, 32, 1, 64)
   cache = zf.paged_cache_from_dense(k, v, np.array([20]))
