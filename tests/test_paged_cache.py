@@ -169,6 +169,28 @@ def test_page_table_is_a_shuffled_bijection_and_gathers_the_tokens():
       np.testing.assert_array_equal(_bits(tail[b, :, rem:]), 0)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("version", [1, 2])
+def test_pages_and_tails_keep_every_bf16_bit_pattern(head_dim, version):
+  """Every BF16 pattern (NaN payloads, subnormals, -0.0) in K and V comes back bit for bit.
+
+  XLA's CPU pad of a bfloat16 array is not bit-exact (it quiets NaN payloads and flushes
+  subnormals in the last column), so the builder must move bit patterns, not BF16 values.
+  """
+  seq = 65536 // head_dim
+  k = np.arange(65536, dtype=np.uint32).astype(np.uint16).reshape(1, seq, 1, head_dim)
+  v = k[:, ::-1, :, ::-1].copy()
+  lengths = np.array([seq - 5])  # complete pages, then an 11-token tail
+  start, rem = seq - PAGE, PAGE - 5
+  for compressed in (True, False):
+    cache = zf.paged_cache_from_dense(k.view(ml_dtypes.bfloat16), v.view(ml_dtypes.bfloat16), lengths,
+                                      compressed=compressed, version=version)
+    table = np.asarray(cache.page_table)[0, : start // PAGE]
+    for pages, tail, x in zip(zf.restore_pages(cache, "reference"), (cache.k_tail, cache.v_tail), (k, v)):
+      np.testing.assert_array_equal(_bits(pages)[0, table].reshape(start, head_dim), x[0, :start, 0])
+      np.testing.assert_array_equal(_bits(tail)[0, 0, :rem], x[0, start:start + rem, 0])
+
+
 def test_seed_changes_the_page_order_not_the_output():
   lengths = np.array([80, 48])
   k, v = _kv(2, 80, 1, 64, seed=41)
@@ -206,6 +228,18 @@ class TestBadInputs:
   def test_lengths_out_of_range(self, lengths):
     with pytest.raises(ValueError, match="lengths must lie"):
       zf.paged_cache_from_dense(self.k, self.v, np.array(lengths))
+
+  def test_no_kv_heads(self):
+    with pytest.raises(ValueError, match="KV head"):
+      zf.paged_cache_from_dense(self.k[:, :, :0], self.v[:, :, :0], self.lengths)
+
+  @pytest.mark.parametrize("compressed", [True, False])
+  def test_empty_batch_builds_and_attends(self, compressed):
+    cache = zf.paged_cache_from_dense(self.k[:0], self.v[:0], np.zeros(0, int), compressed=compressed)
+    assert cache.batch == 0 and cache.num_pages == 1
+    k_pages, _ = zf.restore_pages(cache, "reference")
+    chex.assert_shape(k_pages, (2, 1, PAGE, 64))
+    chex.assert_shape(zf.paged_decode_attention(self.q[:0], cache, impl="reference"), (0, 4, 64))
 
   def test_page_size_32(self):
     with pytest.raises(ValueError, match="page_size"):

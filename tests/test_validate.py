@@ -52,6 +52,11 @@ def test_valid_data_passes(c):
         (lambda c: c.replace(group_meta=c.group_meta[:2]), "uint32 \\[3, 2\\]"),
         (lambda c: c.replace(group_meta=c.group_meta.astype(jnp.int32)), "uint32"),
         (lambda c: c.replace(payload=c.payload[:2048]), "out of range"),
+        # Containers of the wrong type: a wider payload decodes its values >= 256 as garbage bytes.
+        (lambda c: c.replace(payload=c.payload.astype(jnp.uint16) << 8), "payload must be uint8"),
+        (lambda c: c.replace(payload=c.payload.reshape(-1, 256)), "payload must be uint8 \\[n\\]"),
+        (lambda c: c.replace(payload_units=jnp.float32(31.5)), "payload_units must be an integer scalar"),
+        (lambda c: c.replace(payload_units=jnp.array([31, 0], jnp.int32)), "payload_units must be an integer scalar"),
     ],
 )
 def test_corruption_is_reported(c, corrupt, message):

@@ -19,15 +19,22 @@ def _units(meta_bytes: np.ndarray) -> np.ndarray:
 def validate(c: CompressedBlocks) -> CompressedBlocks:
   """Check every structural invariant of `c`; return it unchanged or raise FormatError.
 
-  Checks: metadata shape and dtype ([G, 2], or [G, 4] for version-2 records); version field
-  (1, or 2 in [G, 4] metadata); per-block bytes are b/2 (0..127), in version 2 also 0x80 | b/2
-  (0x80..0xFD), raw or absent, with absent slots exactly past the last block; exception
-  entries zero where a slot has none; every group lies inside the payload and inside
-  `payload_units`; groups do not overlap; `payload_units` equals the sum of the stored sizes.
+  Checks: payload uint8 [n] and `payload_units` an integer scalar; metadata shape and dtype
+  ([G, 2], or [G, 4] for version-2 records); version field (1, or 2 in [G, 4] metadata);
+  per-block bytes are b/2 (0..127), in version 2 also 0x80 | b/2 (0x80..0xFD), raw or absent,
+  with absent slots exactly past the last block; exception entries zero where a slot has none;
+  every group lies inside the payload and inside `payload_units`; groups do not overlap;
+  `payload_units` equals the sum of the stored sizes.
   """
   meta = np.asarray(c.group_meta)
-  payload_len = int(np.asarray(c.payload).shape[0])
-  units_used = int(np.asarray(c.payload_units))
+  payload = np.asarray(c.payload)
+  if payload.dtype != np.uint8 or payload.ndim != 1:
+    raise FormatError(f"payload must be uint8 [n], got {payload.dtype} {payload.shape}")
+  payload_len = payload.shape[0]
+  units_used = np.asarray(c.payload_units)
+  if units_used.ndim != 0 or not np.issubdtype(units_used.dtype, np.integer):
+    raise FormatError(f"payload_units must be an integer scalar, got {units_used.dtype} {units_used.shape}")
+  units_used = int(units_used)
   n, groups = c.num_blocks, -(-c.num_blocks // B.BLOCKS_PER_GROUP)
   if meta.dtype != np.uint32 or meta.shape not in ((groups, 2), (groups, 4)):
     raise FormatError(f"group_meta must be uint32 [{groups}, 2] or [{groups}, 4] for {n} blocks, "

@@ -108,8 +108,10 @@ def _check_kv(k, v, lengths):
       raise TypeError(f"{name} must be bfloat16, got {x.dtype}")
   if k.shape != v.shape:
     raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
-  batch, seq, _, head_dim = k.shape
+  batch, seq, kv_heads, head_dim = k.shape
   layout.check_head_dim(head_dim)
+  if kv_heads < 1:
+    raise ValueError(f"k and v need at least one KV head, got shape {k.shape}")
   if isinstance(lengths, jax.core.Tracer):
     raise TypeError("paged_cache_from_dense builds a cache on the host: lengths must be concrete")
   lengths = np.asarray(lengths)
@@ -140,7 +142,9 @@ def paged_cache_from_dense(k, v, lengths, page_size: int = PAGE_SIZE, compressed
     raise ValueError(f"page_size must be {PAGE_SIZE} (the format's page), got {page_size}")
   version = codec.check_version(version)
   lengths = _check_kv(k, v, lengths)
-  k, v = jnp.asarray(k), jnp.asarray(v)
+  # Pages and tails are cut from the bit patterns: XLA's CPU pad of a bfloat16 array is not
+  # bit-exact (it quiets NaN payloads and flushes subnormals), and the cache must be lossless.
+  k, v = B.to_bits(k), B.to_bits(v)
   batch, seq, kv_heads, head_dim = k.shape
   max_pages = -(-seq // PAGE_SIZE)
   complete = lengths // PAGE_SIZE
@@ -156,6 +160,8 @@ def paged_cache_from_dense(k, v, lengths, page_size: int = PAGE_SIZE, compressed
   src_b[phys], src_i[phys] = owner_b, owner_i
 
   def pages_of(x):  # [B, S, Hkv, D] -> [Hkv, P, 16, D]
+    if not batch:  # no sequences: the one physical page is unused, zeros
+      return jnp.zeros((kv_heads, num_pages, PAGE_SIZE, head_dim), x.dtype)
     padded = jnp.pad(x, ((0, 0), (0, max_pages * PAGE_SIZE + PAGE_SIZE - seq), (0, 0), (0, 0)))
     paged = padded.reshape(batch, max_pages + 1, PAGE_SIZE, kv_heads, head_dim)
     return paged[src_b, src_i].transpose(2, 0, 1, 3)
@@ -167,8 +173,9 @@ def paged_cache_from_dense(k, v, lengths, page_size: int = PAGE_SIZE, compressed
     keep = (np.arange(PAGE_SIZE)[None, :] < (lengths % PAGE_SIZE)[:, None])[:, :, None, None]
     return jnp.where(keep, tail, jnp.zeros_like(tail)).transpose(0, 2, 1, 3)
 
-  common = dict(lengths=jnp.asarray(lengths), page_table=jnp.asarray(page_table), k_tail=tail_of(k), v_tail=tail_of(v))
-  k_pages, v_pages = pages_of(k), pages_of(v)
+  common = dict(lengths=jnp.asarray(lengths), page_table=jnp.asarray(page_table),
+                k_tail=B.from_bits(tail_of(k)), v_tail=B.from_bits(tail_of(v)))
+  k_pages, v_pages = B.from_bits(pages_of(k)), B.from_bits(pages_of(v))
   if not compressed:
     return PagedKVCache(**common, k_pages=k_pages, v_pages=v_pages, compressed=False)
   arena, group_meta = compress_pages(jnp.stack([k_pages, v_pages], axis=2), version)

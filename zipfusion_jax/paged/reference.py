@@ -48,7 +48,8 @@ def gather_sequences(cache: PagedKVCache, k_pages: jax.Array, v_pages: jax.Array
   """Dense per-sequence K/V: bfloat16 [B, Hkv, max_pages * 16 + 16, D] (tail last) and a bool mask [B, T]."""
   def dense(pages, tail):
     seq = pages[:, cache.page_table]  # [Hkv, B, max_pages, 16, D]
-    seq = seq.transpose(1, 0, 2, 3, 4).reshape(cache.batch, cache.num_kv_heads, -1, cache.head_dim)
+    seq = seq.transpose(1, 0, 2, 3, 4).reshape(cache.batch, cache.num_kv_heads, cache.max_pages * PAGE_SIZE,
+                                                cache.head_dim)  # no -1: a batch of 0 sequences has size 0
     return jnp.concatenate([seq, tail], axis=2)
 
   k, v = dense(k_pages, cache.k_tail), dense(v_pages, cache.v_tail)
