@@ -205,6 +205,56 @@ def test_oversized_requests_are_rejected_at_submission():
   engine.run()
 
 
+def test_bad_token_ids_are_refused_at_submission_and_a_failed_step_holds_no_reservation(monkeypatch):
+  """Token ids outside [0, vocab) (or not integers) are refused by `submit`, before anything is
+  queued; had one reached a step it failed there holding the prompt's reservation, and every later
+  admission was refused ("a placement is reserved but not committed") even after a cancel."""
+  engine = make_engine(True)
+  for bad in ([2**40, 3], [-1], [3, engine.model.vocab], [1.5]):
+    with pytest.raises(ValueError, match="token id"):
+      engine.submit(bad, 4)
+  assert engine.idle
+  stop = engine.submit([1, 2, 3] * 7, 4)  # 21 tokens: the prefill reserves a page
+  real = engine.run_prefill
+  monkeypatch.setattr(engine, "run_prefill", lambda *a: (_ for _ in ()).throw(RuntimeError("device fault")))
+  with pytest.raises(RuntimeError, match="device fault"):
+    engine.step()
+  assert engine.allocator._pending is None and engine.allocator.check_reserve(1) is None
+  assert stop.status is Status.WAITING and engine.allocator.capacity().live_bytes == 0
+  monkeypatch.setattr(engine, "run_prefill", real)
+  engine.run(max_steps=50)
+  assert stop.generated == expected_tokens(engine, stop)
+  assert check_invariants(engine.backend, engine.state, engine.allocator, []) == []
+
+
+def test_an_admission_factor_below_one_still_admits_into_an_empty_store():
+  """`overcommit` < 1 keeps headroom while others run, but a request `submit` accepted (it fits an
+  empty store) must be admitted when nothing runs, or it waits forever; prior_ratio must be > 0."""
+  from zipfusion_jax.serving.scheduler import Scheduler
+
+  cfg = ServingConfig(**TINY)  # 6 pages per layer at raw size
+  alloc = ChunkAllocator(cfg)
+  sched = Scheduler(cfg, alloc, overcommit=0.5)
+  big, small = sched.submit(range(60), 5), sched.submit(range(20), 5)  # 4 of 6 pages: over half the store
+  admitted = sched.admit()
+  assert admitted is not None and admitted[0] is big
+  req, slot, placement = admitted
+  alloc.commit(placement, np.full((cfg.num_layers, placement.num_pages), cfg.page_units))
+  sched.started(req, slot, placement, 0)
+  assert sched.admit() is None  # 4 + 1 pages reserved > 0.5 * 6: small waits while big runs
+  for ratio in (0.0, -1.0):
+    with pytest.raises(ValueError, match="prior_ratio"):
+      ChunkAllocator(cfg, prior_ratio=ratio)
+
+
+def test_an_engine_that_could_never_prefill_is_refused():
+  """max_prefills_per_step < 1 admitted nothing: `run` spun 100,000 empty steps before failing."""
+  engine = make_engine(True)
+  for bad in (0, -1):
+    with pytest.raises(ValueError, match="max_prefills_per_step"):
+      Engine(engine.model, engine.backend, max_prefills_per_step=bad)
+
+
 def test_invalid_plans_give_plan_errors():
   engine = make_engine(True)
   cfg = engine.cfg

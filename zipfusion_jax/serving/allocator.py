@@ -104,6 +104,8 @@ class ChunkAllocator:
   def __init__(self, cfg: ServingConfig, prior_ratio: float = 1.0, devices: int = 1):
     if devices < 1:
       raise ValueError(f"{devices=} must be >= 1")
+    if not prior_ratio > 0:
+      raise ValueError(f"{prior_ratio=} must be > 0")
     self.cfg = cfg
     self.prior_ratio = float(prior_ratio)
     self.devices = devices

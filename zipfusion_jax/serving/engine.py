@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 from typing import Any, Protocol
 
@@ -160,6 +161,8 @@ class Engine:
 
   def __init__(self, model: Decoder, backend: PagedBackend, params: Any = None, *, max_prefills_per_step: int = 1,
                prior_ratio: float = 1.0, overcommit: float = 1.0, tensor_parallel: TensorParallel | None = None):
+    if max_prefills_per_step < 1:
+      raise ValueError(f"{max_prefills_per_step=} must be >= 1 (no request could ever start)")
     self.tp = tensor_parallel
     if tensor_parallel is None:
       self.model, self.backend, self.params = model, backend, params
@@ -170,7 +173,8 @@ class Engine:
     self.cfg = self.backend.cfg
     self.devices = 1 if tensor_parallel is None else tensor_parallel.size
     self.allocator = ChunkAllocator(self.cfg, prior_ratio, devices=self.devices)
-    self.scheduler = Scheduler(self.cfg, self.allocator, overcommit)
+    vocab = getattr(model, "vocab", None) or getattr(getattr(model, "config", None), "vocab", None)  # stand-in, Flax
+    self.scheduler = Scheduler(self.cfg, self.allocator, overcommit, vocab)
     self.state: ServingState = init_state(self.cfg) if tensor_parallel is None else tensor_parallel.init_state(self.cfg)
     self.max_prefills_per_step = max_prefills_per_step
     self.traces: collections.Counter[str] = collections.Counter()
@@ -270,7 +274,8 @@ class Engine:
         break
       req, slot, placement = admitted
       tokens = req.prefill_tokens()
-      nxt, units = self.run_prefill(prefill_plan(cfg, slot, len(tokens), placement), np.asarray(tokens, np.int32))
+      with self._cancel_on_error(placement):
+        nxt, units = self.run_prefill(prefill_plan(cfg, slot, len(tokens), placement), np.asarray(tokens, np.int32))
       report.readback_bytes += nxt.nbytes + units.nbytes
       self.allocator.commit(placement, units)
       sched.started(req, slot, placement, int(nxt))
@@ -283,11 +288,13 @@ class Engine:
       report.preempted = [r.rid for r in preempted]
     if sched.running:
       lengths = {s: r.length for s, r in sched.running.items()}
-      plan = self.with_work(decode_plan(cfg, lengths, [r.slot for r in done], placement))
+      with self._cancel_on_error(placement):
+        plan = self.with_work(decode_plan(cfg, lengths, [r.slot for r in done], placement))
       tokens = np.zeros(cfg.num_slots, np.int32)
       for s, r in sched.running.items():
         tokens[s] = r.generated[-1]
-      nxt, aux, units = self.run_decode(plan, tokens)
+      with self._cancel_on_error(placement):
+        nxt, aux, units = self.run_decode(plan, tokens)
       report.readback_bytes += nxt.nbytes + aux.nbytes + units.nbytes
       self.allocator.commit(placement, units)  # the completed pages' columns come first, in slot order
       report.decoded = len(lengths)
@@ -297,6 +304,16 @@ class Engine:
       self.allocator.commit(placement, np.zeros((self.devices, cfg.num_layers, 0), np.int32))
     self.steps += 1
     return report
+
+  @contextlib.contextmanager
+  def _cancel_on_error(self, placement: Placement):
+    """A step that fails before its readback gives its reservation back (the requests keep their
+    places), so the next step can reserve again instead of being refused for ever."""
+    try:
+      yield
+    except BaseException:
+      self.allocator.cancel(placement)
+      raise
 
   def warm_up(self, threads: int | None = None) -> None:
     """Compile the decode step at every completion width, and the prefill, now (a server's

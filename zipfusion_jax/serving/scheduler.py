@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import operator
 
 from zipfusion_jax.serving.allocator import ChunkAllocator, Placement
 from zipfusion_jax.serving.state import PAGE_SIZE, ServingConfig
@@ -105,13 +106,15 @@ class Scheduler:
     cfg, allocator: the geometry and its accounting.
     overcommit: admit while reservations stay under `overcommit` times the
       expected capacity; 1.0 reserves exactly, more trades preemptions for
-      fuller batches.
+      fuller batches (a request is always admitted when nothing runs).
+    vocab: token ids must lie in [0, vocab) (None: [0, 2^31), what a step's int32 tokens hold).
   """
 
-  def __init__(self, cfg: ServingConfig, allocator: ChunkAllocator, overcommit: float = 1.0):
+  def __init__(self, cfg: ServingConfig, allocator: ChunkAllocator, overcommit: float = 1.0, vocab: int | None = None):
     if overcommit <= 0:
       raise ValueError(f"{overcommit=} must be > 0")
     self.cfg = cfg
+    self.vocab = vocab
     self.allocator = allocator
     self.overcommit = float(overcommit)
     self.waiting: list[Request] = []
@@ -124,9 +127,17 @@ class Scheduler:
 
   def submit(self, prompt, max_new_tokens: int, priority: int = 0, stop_ids=()) -> Request:
     """Queue a request, or raise `RequestTooLarge` / `ValueError` when it can never run."""
-    prompt = tuple(int(t) for t in prompt)
+    prompt = tuple(prompt)
     if not prompt:
       raise ValueError("prompt must hold at least one token")
+    limit = self.vocab or 2**31
+    try:  # an integer type (no silent truncation of 1.5), in range: a bad id would fail, or be clamped, inside a step
+      prompt = tuple(operator.index(t) for t in prompt)
+    except TypeError as e:
+      raise ValueError(f"token ids must be integers: {e}") from None
+    bad = [t for t in prompt if not 0 <= t < limit]
+    if bad:
+      raise ValueError(f"token id(s) {bad[:5]} outside [0, {limit})")
     if max_new_tokens < 1:
       raise ValueError(f"{max_new_tokens=} must be >= 1")
     req = Request(prompt, int(max_new_tokens), int(priority), stop_ids=tuple(int(t) for t in stop_ids))
@@ -159,7 +170,9 @@ class Scheduler:
     req = self.head()
     if req is None or len(self.running) == self.cfg.num_slots:
       return None
-    if self.allocator.expected_pages() * self.overcommit < self.reserved_pages() + req.final_pages:
+    # With nothing running the store is empty and `submit` checked that the request fits it, so it
+    # is admitted whatever `overcommit` (below 1 it would otherwise wait forever).
+    if self.running and self.allocator.expected_pages() * self.overcommit < self.reserved_pages() + req.final_pages:
       return None
     n = len(req.prefill_tokens()) // PAGE_SIZE
     if self.allocator.check_reserve(n) is not None:
