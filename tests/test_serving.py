@@ -108,6 +108,37 @@ def test_attention_reads_the_shadow_kv(compressed):
   assert checked >= 9
 
 
+@pytest.mark.parametrize("compressed", [True, False])
+def test_the_store_keeps_every_bf16_bit_pattern_of_prefill_and_decode(monkeypatch, compressed):
+  """K/V hashed to any 16-bit pattern (NaN payloads, -0.0, Inf, subnormals) through prefill and
+  decode at head_dim 64 and one KV head (the shape at which XLA's CPU pad of a bfloat16 array
+  flushed subnormals and quieted NaNs in `paged_cache_from_dense`): the store's K/V equal the
+  shadow's bits after every step."""
+  from zipfusion_jax.serving import standin
+
+  plain_bits = standin.value_bits
+
+  def any_pattern(xp, seed, tokens, positions, layer, kind, heads, head_dim):
+    if kind == standin._Q:
+      return plain_bits(xp, seed, tokens, positions, layer, kind, heads, head_dim)
+    t, p = xp.asarray(tokens)[:, None, None], xp.asarray(positions)[:, None, None]
+    h = standin._mix(xp, seed, t, p, layer, kind, xp.arange(heads)[None, :, None], xp.arange(head_dim)[None, None, :])
+    return (h & xp.uint32(0xFFFF)).astype(xp.uint16)
+
+  monkeypatch.setattr(standin, "value_bits", any_pattern)
+  engine = make_engine(compressed)
+  shadow = shadow_for(engine)
+  request = engine.submit(np.arange(47) % 97, 4)
+  engine.step()  # the prefill
+  k, _ = shadow(request)
+  exponents = k & 0x7F80
+  assert ((exponents == 0) & (k & 0x7F != 0)).any() and (exponents == 0x7F80).any(), "no subnormal or NaN / Inf"
+  assert check_invariants(engine.backend, engine.state, engine.allocator, engine.scheduler.running.values(), shadow) == []
+  while not engine.idle:
+    engine.step()
+    assert check_invariants(engine.backend, engine.state, engine.allocator, engine.scheduler.running.values(), shadow) == []
+
+
 def _page_sizes(cfg, n, seed=0):
   """Units per page per layer of stand-in KV: int [L, n] (the sizes a device step would read back)."""
   model = StandInDecoder(cfg)

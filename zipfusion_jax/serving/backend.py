@@ -138,7 +138,9 @@ class PagedBackend:
       raise ValueError(f"prefill of {k.shape[0]} tokens exceeds max_length={cfg.max_length}")
 
     def paged(x):  # [T, Hkv, D] -> [max_pages + 1, Hkv, 16, D]
-      x = jnp.pad(x, ((0, pad), (0, 0), (0, 0)))
+      # Padded as bit patterns: XLA's CPU pad of bfloat16 is not bit-exact (it flushed subnormals
+      # and quieted NaN payloads at [T, 1, 64]), and the store must keep every bit.
+      x = B.from_bits(jnp.pad(B.to_bits(x), ((0, pad), (0, 0), (0, 0))))
       return x.reshape(cfg.max_pages + 1, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim).transpose(0, 2, 1, 3)
 
     kp, vp = paged(k), paged(v)
