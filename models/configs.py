@@ -59,6 +59,11 @@ class ModelConfig:
   tp_axis: str | None = None
 
   def __post_init__(self):
+    sizes = dict(layers=self.layers, hidden=self.hidden, intermediate=self.intermediate, vocab=self.vocab,
+                 q_heads=self.q_heads, kv_heads=self.kv_heads, head_dim=self.head_dim, max_position=self.max_position)
+    bad = {k: v for k, v in sizes.items() if not v > 0}
+    if bad:
+      raise ValueError(f"{self.name}: sizes must be positive, got {bad}")
     if self.q_heads % self.kv_heads:
       raise ValueError(f"{self.name}: q_heads={self.q_heads} is not a multiple of kv_heads={self.kv_heads}")
     if self.head_dim % 2:

@@ -87,3 +87,18 @@ def test_kvstats_missing_text(tmp_path, capsys):
 
   assert kvstats_main(["--text", str(tmp_path / "missing.txt")]) == 2
   assert "missing.txt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mib", ["inf", "nan", "0", "-1"])
+def test_kv_memory_budget_must_be_positive_and_finite(capsys, mib):
+  with pytest.raises(SystemExit) as e:  # inf used to escape as an OverflowError traceback
+    parse_args(["--prompt", "hi", "--kv-memory-mib", mib])
+  assert e.value.code == 2 and "--kv-memory-mib must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_demo_needs_one_complete_page(capsys):
+  from zipfusion_jax.demo import main as demo_main
+
+  with pytest.raises(SystemExit) as e:  # fewer than 16 tokens used to fail deep inside with a traceback
+    demo_main(["--tokens", "10"])
+  assert e.value.code == 2 and "--tokens must be >= 16" in capsys.readouterr().err

@@ -20,3 +20,11 @@ def test_llama_kv_bytes_per_token():
 def test_unknown_model_is_a_clear_error():
   with pytest.raises(ValueError, match="known"):
     get_config("gpt-5")
+
+
+def test_non_positive_sizes_are_refused():
+  import dataclasses
+
+  for field in ("kv_heads", "layers", "head_dim"):  # kv_heads=0 used to raise ZeroDivisionError
+    with pytest.raises(ValueError, match=f"sizes must be positive.*{field}"):
+      dataclasses.replace(get_config("tiny-llama3"), **{field: 0})

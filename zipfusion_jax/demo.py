@@ -43,6 +43,8 @@ def main(argv=None) -> int:
   ap.add_argument("--tokens", type=int, default=2048)
   ap.add_argument("--impl", choices=["reference", "pallas"], default="reference")
   args = ap.parse_args(argv)
+  if args.tokens < layout.PAGE_SIZE:
+    ap.error(f"--tokens must be >= {layout.PAGE_SIZE} (one complete page), got {args.tokens}")
   console = Console()
   console.print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; impl={args.impl}")
   k, v = demo_kv(jax.random.key(0), args.tokens)

@@ -20,6 +20,7 @@ exit with status 2.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from zipfusion_jax.jsonio import write_json_atomic
@@ -56,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.error("--max-new-tokens must be >= 0")
   if args.max_batch < 1:
     p.error("--max-batch must be >= 1")
+  if args.kv_memory_mib is not None and not (math.isfinite(args.kv_memory_mib) and args.kv_memory_mib > 0):
+    p.error(f"--kv-memory-mib must be a finite number > 0 (got {args.kv_memory_mib:g})")
   from models.sampling import Sampling  # here: `--help` and argparse's own errors need no jax
 
   try:  # --temperature, --top-k, --top-p: the sampler's own checks, as usage errors

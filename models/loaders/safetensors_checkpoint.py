@@ -38,6 +38,25 @@ _LAYER_TENSORS = {
 }
 
 
+def _rope_from_hf(hf: dict, name: str) -> tuple[float, RopeScaling | None]:
+  """RoPE base and Llama-3.1 scaling from `rope_theta` / `rope_scaling` (transformers 4.x) or from
+  `rope_parameters` (transformers 5.x writes theta and scaling there, with rope_type "default" for none)."""
+  params = hf.get("rope_parameters") or {}
+  theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+  scaling = hf.get("rope_scaling") or params
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "default":
+    return theta, None
+  if kind != "llama3":
+    raise ValueError(f"{name}: rope_scaling type {kind!r} is not supported (only 'llama3')")
+  return theta, RopeScaling(
+      factor=float(scaling["factor"]),
+      low_freq_factor=float(scaling["low_freq_factor"]),
+      high_freq_factor=float(scaling["high_freq_factor"]),
+      original_max_position=int(scaling["original_max_position_embeddings"]),
+  )
+
+
 def config_from_hf(hf: dict, name: str) -> ModelConfig:
   """ModelConfig from a Hugging Face config.json dict (model_type "llama" or "qwen3")."""
   model_type = hf.get("model_type")
@@ -48,20 +67,10 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
       raise ValueError(f"{name}: {flag}=true is not supported (the decoder has no biases)")
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"{name}: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
-  scaling = hf.get("rope_scaling")
-  rope_scaling = None
-  if scaling:
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "llama3":
-      raise ValueError(f"{name}: rope_scaling type {kind!r} is not supported (only 'llama3')")
-    rope_scaling = RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position=int(scaling["original_max_position_embeddings"]),
-    )
-  heads = int(hf["num_attention_heads"])
   try:
+    rope_theta, rope_scaling = _rope_from_hf(hf, name)
+    heads = int(hf["num_attention_heads"])
+    kv_heads = hf.get("num_key_value_heads")  # absent or null: one KV head per query head
     return ModelConfig(
         name=name,
         layers=int(hf["num_hidden_layers"]),
@@ -69,9 +78,9 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
         intermediate=int(hf["intermediate_size"]),
         vocab=int(hf["vocab_size"]),
         q_heads=heads,
-        kv_heads=int(hf.get("num_key_value_heads", heads)),
+        kv_heads=int(heads if kv_heads is None else kv_heads),
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_theta=rope_theta,
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         qk_norm=model_type == "qwen3",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -80,6 +89,8 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
     )
   except KeyError as e:
     raise ValueError(f"{name}: config.json lacks {e.args[0]!r}") from None
+  except (TypeError, AttributeError, ZeroDivisionError) as e:
+    raise ValueError(f"{name}: config.json has a malformed field ({type(e).__name__}: {e})") from None
 
 
 def config_to_hf(config: ModelConfig) -> dict:
@@ -135,13 +146,19 @@ def _open(path: str):
     raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
 
 
+_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # cast to BF16; anything else (int8, fp8, ...) is quantized
+# Tensors a checkpoint may hold that the decoder does not read: RoPE tables of old Llama checkpoints.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
 class _Reader(contextlib.ExitStack):
-  """Reads tensors by name across shards, opening each file once (closed on exit)."""
+  """Reads tensors by name across shards, opening each file once (closed on exit); records what it read."""
 
   def __init__(self, directory: str):
     super().__init__()
     self.files = _tensor_files(directory)
     self.handles: dict[str, object] = {}
+    self.read: set[str] = set()
 
   def get(self, name: str, expected: tuple[int, ...], transpose: bool) -> jnp.ndarray:
     path = self.files.get(name)
@@ -150,13 +167,30 @@ class _Reader(contextlib.ExitStack):
     if path not in self.handles:
       self.handles[path] = self.enter_context(_open(path))
     try:
+      dtype = self.handles[path].get_slice(name).get_dtype()
+      if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{path}: tensor {name!r} has dtype {dtype}, expected one of {_FLOAT_DTYPES} "
+                         "(quantized checkpoints are not supported)")
       w = self.handles[path].get_tensor(name)
     except (SafetensorError, OSError) as e:
       raise ValueError(f"{path}: cannot read tensor {name!r} ({e})") from e
     w = w.T if transpose else w
     if w.shape != expected:
       raise ValueError(f"{path}: tensor {name!r} has shape {w.shape}, expected {expected}")
+    self.read.add(name)
     return jnp.asarray(w, jnp.bfloat16)
+
+  def check_all_read(self, directory: str, config: ModelConfig) -> None:
+    """ValueError naming the checkpoint's tensors that loading did not use (a config that does not
+    describe the weights: more layers, biases, q/k norms of another architecture, quantization scales)."""
+    unused = {n for n in self.files if n not in self.read and not n.endswith(_IGNORED_SUFFIXES)}
+    if config.tie_embeddings:
+      unused.discard("lm_head.weight")  # tied: Hugging Face ignores a stored copy too
+    if unused:
+      names = sorted(unused)
+      more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+      raise ValueError(f"{directory}: checkpoint has tensors that config.json does not account for: "
+                       f"{', '.join(names[:5])}{more}")
 
 
 def load_safetensors(directory: str, name: str | None = None) -> tuple[ModelConfig, DecoderParams]:
@@ -164,7 +198,8 @@ def load_safetensors(directory: str, name: str | None = None) -> tuple[ModelConf
 
   Raises:
     FileNotFoundError: the directory, config.json or a listed shard is missing.
-    ValueError: unreadable/corrupted file, unsupported model type, missing tensor or wrong shape.
+    ValueError: unreadable/corrupted file, unsupported model type, missing, unexpected or
+      non-float (quantized) tensor, or wrong shape.
   """
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"{directory}: no such checkpoint directory")
@@ -186,6 +221,7 @@ def load_safetensors(directory: str, name: str | None = None) -> tuple[ModelConf
         final_norm=reader.get("model.norm.weight", (h,), transpose=False),
         lm_head=head,
     )
+    reader.check_all_read(directory, config)
   return config, params
 
 

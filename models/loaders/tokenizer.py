@@ -86,9 +86,14 @@ class Tokenizer:
     )
 
   def encode_chat(self, prompt: str) -> list[int]:
-    """One user turn rendered by the chat template, ready for the assistant's reply."""
+    """One user turn rendered by the chat template, ready for the assistant's reply.
+
+    The template writes its own special tokens (BOS included), so the text is encoded without the
+    tokenizer's post-processor (as Hugging Face's `apply_chat_template` does): a `tokenizer.json`
+    that adds BOS would otherwise give two.
+    """
     text = self.apply_chat_template([{"role": "user", "content": prompt}])
-    ids = self.backend.encode(text).ids
+    ids = self.backend.encode(text, add_special_tokens=False).ids
     if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
       ids = [self.bos_id, *ids]
     return ids
