@@ -132,6 +132,10 @@ class DecodeConfig:
   items: int = 0
 
   def __post_init__(self):
+    for name in ("splits", "stages", "consumer_registers", "consumers", "max_registers", "items"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)):  # 2.0 would reach a shape
+        raise TypeError(f"DecodeConfig.{name} must be an int, got {value!r}")
     if self.splits < 1:
       raise ValueError(f"{self.splits=} must be >= 1")
     if self.schedule not in SCHEDULES:
@@ -770,17 +774,23 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
   if work is not None and config.schedule != "balanced":
     raise ValueError(f"work items are the balanced schedule's; config.schedule is {config.schedule!r}")
   if work is not None:
-    check_work_items(work, cache.lengths.shape[0])
+    check_work_items(work, cache.lengths.shape[0], cache.lengths)
+  if q.size == 0:  # no sequences or no heads: nothing to attend (a grid of 0 items, or G = 0, cannot launch)
+    out = jnp.zeros(q.shape, jnp.bfloat16)
+    return (out, jnp.full(q.shape[:2], -jnp.inf, jnp.float32)) if return_lse else out
   if _platform.resolve_interpret(interpret):
     return _decode_attention(q, cache, float(scale), config, bool(return_lse), interpret=True, work=work)
   return _decode_attention_jit(q, cache, float(scale), config, bool(return_lse), work=work)
 
 
-def check_work_items(work, batch: int) -> None:
+def check_work_items(work, batch: int, lengths=None) -> None:
   """Refuse a `work=` pair that `_work_items` cannot have made (ValueError): integer arrays of
-  shapes [W, 3] (W a multiple of ITEMS_PER_LOAD) and [B + 1] always; and, when concrete (numpy,
-  as `host_work_items` returns them; a traced pair is the caller's to get right), a `seq_first`
-  that rises from 0 within the table. The serving plan check (`check_plan`) adds the coverage."""
+  shapes [W, 3] (W a multiple of ITEMS_PER_LOAD) and [B + 1] always; and, when concrete (not
+  traced; a traced pair is the caller's to get right), a `seq_first` that rises from 0 within the
+  table. With `lengths` int [B] (concrete, as is the pair): the items must also cover each
+  sequence's pages (tail included) once, as consecutive items of that sequence from page 0, and
+  every row past them be unused (sequence -1); a plan of other lengths would attend over the
+  wrong pages (or none) without a word. The serving plan check (`check_plan`) does the same."""
   table, seq_first = work
   if (len(table.shape) != 2 or table.shape[1] != 3 or table.shape[0] % ITEMS_PER_LOAD
       or tuple(seq_first.shape) != (batch + 1,)
@@ -788,9 +798,29 @@ def check_work_items(work, batch: int) -> None:
     raise ValueError(f"work must be (int32 [W, 3] with W a multiple of {ITEMS_PER_LOAD}, int32 [{batch + 1}]) "
                      f"from host_work_items, got {table.dtype} {tuple(table.shape)}, "
                      f"{seq_first.dtype} {tuple(seq_first.shape)}")
-  if isinstance(seq_first, np.ndarray):
-    if seq_first[0] != 0 or np.any(np.diff(seq_first) < 0) or seq_first[-1] > table.shape[0]:
-      raise ValueError(f"work's seq_first={seq_first.tolist()} must rise from 0 to at most W = {table.shape[0]}")
+  if isinstance(seq_first, jax.core.Tracer) or isinstance(table, jax.core.Tracer):
+    return
+  seq_first = np.asarray(seq_first)
+  if seq_first[0] != 0 or np.any(np.diff(seq_first) < 0) or seq_first[-1] > table.shape[0]:
+    raise ValueError(f"work's seq_first={seq_first.tolist()} must rise from 0 to at most W = {table.shape[0]}")
+  if lengths is None or isinstance(lengths, jax.core.Tracer):
+    return
+  table, lengths = np.asarray(table), np.asarray(lengths, np.int64)
+  used = int(seq_first[-1])
+  seq, start, end = table[:used].T
+  pages = -(-lengths // PAGE_SIZE)
+  has = np.diff(seq_first) > 0
+  ok = np.array_equal(has, pages > 0) and np.all(table[used:, 0] == -1)
+  if ok and used:
+    last = seq_first[1:][has] - 1  # each sequence's last item reaches its last page
+    prev_end = np.concatenate([[0], end[:-1]])
+    first_of_seq = np.concatenate([[True], seq[1:] != seq[:-1]])
+    ok = (np.array_equal(seq, np.repeat(np.arange(batch), np.diff(seq_first))) and np.all(end > start)
+          and np.all(np.where(first_of_seq, start == 0, start == prev_end)) and np.all(start[last] < pages[has])
+          and np.all(end[last] >= pages[has]))
+  if not ok:
+    raise ValueError(f"work does not cover each sequence's pages once for lengths={lengths.tolist()}: plan it with "
+                     "host_work_items(cache.lengths, ...)")
 
 
 def host_work_items(lengths, kv_heads: int, max_pages: int, config: DecodeConfig, fit_rows: bool = False):

@@ -98,3 +98,48 @@ def test_unknown_impl_and_stray_options():
     zf.compress(x, impl="cuda")
   with pytest.raises(TypeError, match="no options"):
     zf.compress(x, impl="reference", interpret=True)
+
+
+# --- the decode-attention contract: paged_decode_attention / decompress_then_attend -----------------
+
+
+def _paged(batch=2, seq=32, kv_heads=1, head_dim=64, lengths=(20, 32), compressed=True):
+  k, v = _blocks((2, batch, seq, kv_heads, head_dim), seed=9)
+  return zf.paged_cache_from_dense(k, v, np.array(lengths, np.int32), compressed=compressed)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("sm_scale", [float("nan"), float("inf"), -float("inf"), np.float32("nan")])
+def test_non_finite_sm_scale_is_a_value_error(impl, sm_scale):
+  """A NaN / inf scale made every output NaN, silently (and, a static jit argument unequal to itself,
+  compiled the reference again on every call)."""
+  cache = _paged()
+  q = jnp.asarray(_blocks((2, 2, 64), seed=10))
+  with pytest.raises(ValueError, match="sm_scale must be finite"):
+    zf.paged_decode_attention(q, cache, sm_scale, impl=impl)
+  with pytest.raises(ValueError, match="sm_scale must be finite"):
+    zf.decompress_then_attend(q, cache, sm_scale, impl=impl)
+
+
+def test_traced_sm_scale_is_a_clear_type_error():
+  cache = _paged()
+  q = jnp.asarray(_blocks((2, 2, 64), seed=10))
+  with pytest.raises(TypeError, match="sm_scale must be a concrete number"):
+    jax.jit(lambda q, c, s: zf.paged_decode_attention(q, c, s, impl="reference"))(q, cache, 0.3)
+  # Concrete scales of any numeric type (and negative ones) are fine.
+  want = zf.paged_decode_attention(q, cache, -0.3, impl="reference")
+  got = zf.paged_decode_attention(q, cache, np.float32(-0.3), impl="reference")
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("compressed", [True, False])
+def test_empty_batch_and_no_heads_through_the_kernel_match_the_reference(compressed):
+  """The kernel wrapper divided by zero (an empty grid, G = 0) where the reference returns empty outputs."""
+  empty_batch = _paged(batch=0, lengths=(), compressed=compressed)
+  cache = _paged(compressed=compressed)
+  for q, c in ((jnp.zeros((0, 4, 64), jnp.bfloat16), empty_batch), (jnp.zeros((2, 0, 64), jnp.bfloat16), cache)):
+    want, want_lse = zf.paged_decode_attention(q, c, impl="reference", return_lse=True)
+    got, lse = zf.paged_decode_attention(q, c, impl="pallas", interpret=True, return_lse=True)
+    assert got.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    chex.assert_shape((got, lse), (want.shape, want_lse.shape))
+    chex.assert_shape(zf.paged_decode_attention(q, c, impl="pallas", interpret=True), q.shape)

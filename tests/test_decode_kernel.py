@@ -355,6 +355,33 @@ def test_host_planned_items_equal_the_device_plan_and_skip_it(lengths):
       da.decode_attention_pallas(q, cache, 0.125, config=cfg, work=bad)
 
 
+
+def test_work_items_of_other_lengths_are_refused():
+  """A `work=` plan must be the plan of the cache's lengths: one of other lengths (same batch, valid
+  shapes) ran and gave a wrong answer without a word (here the 20-token sequence got no item: zeros)."""
+  k, v = _kv(2, 48, 1, 64)
+  lengths = np.array([40, 20])
+  cache = zf.paged_cache_from_dense(k, v, lengths, compressed=False)
+  q = jnp.zeros((2, 2, 64), jnp.bfloat16)
+  cfg = da.DecodeConfig(schedule="balanced")
+  table, first = da.host_work_items(lengths, 1, cache.max_pages, cfg)
+  da.check_work_items((table, first), 2, lengths)  # the right plan passes, as numpy or as jax arrays
+  da.check_work_items((jnp.asarray(table), jnp.asarray(first)), 2, jnp.asarray(lengths))
+  stray = table.copy()
+  stray[-1] = (5, 0, 4)  # an "unused" row naming a sequence past the batch (the kernel would read lengths[5])
+  short = table.copy()
+  short[0, 2] = 1  # sequence 0's item stops before its last page
+  for bad in (da.host_work_items(np.array([16, 0]), 1, cache.max_pages, cfg), (stray, first), (short, first)):
+    for work in (bad, tuple(map(jnp.asarray, bad))):
+      with pytest.raises(ValueError, match="cover each sequence"):
+        zf.paged_decode_attention(q, cache, impl="pallas", config=cfg, work=work, interpret=True)
+  bad_first = jnp.asarray(first).at[1].set(first[-1] + 1)  # concrete jax arrays are checked like numpy ones
+  with pytest.raises(ValueError, match="rise from 0"):
+    da.check_work_items((jnp.asarray(table), bad_first), 2)
+  # Under jit the pair is traced: only its shapes can be checked.
+  jax.jit(lambda t, f: da.check_work_items((t, f), 2, lengths))(*bad)
+
+
 def test_the_balanced_schedule_spreads_a_long_sequence_over_the_gpu():
   lengths = jnp.asarray([131072] + [1000] * 31, jnp.int32)
   grid_cfg = da.heuristic_config(32, 8, 131072 // 16, compressed=True)
@@ -560,6 +587,16 @@ def test_config_validates():
     da.DecodeConfig(consumers=3)
   with pytest.raises(ValueError, match="multiple"):  # a stage shared by two consumers would skip barrier phases
     da.DecodeConfig(consumers=2, stages=3)
+
+
+
+@pytest.mark.parametrize("knob", ["splits", "stages", "consumers", "items", "max_registers", "consumer_registers"])
+def test_config_refuses_non_integer_knobs(knob):
+  """splits=2.0 passed validation and failed deep in the kernel's shapes ("Shapes must be 1D sequences
+  of concrete values of integer type"); stages=1.5 blamed the consumers."""
+  with pytest.raises(TypeError, match=f"DecodeConfig.{knob} must be an int"):
+    da.DecodeConfig(**{knob: 2.0})
+  assert da.DecodeConfig(splits=np.int64(2)).splits == 2  # numpy integers are integers
 
 
 def test_reference_scale_default_matches_kernel_contract():

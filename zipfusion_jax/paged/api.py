@@ -41,7 +41,7 @@ def paged_decode_attention(
   Args:
     q: bfloat16 [B, Hq, D]; Hq a multiple of the cache's KV heads (<= 8 per KV head).
     cache: from `paged_cache_from_dense` (compressed or not).
-    sm_scale: softmax scale; default 1/sqrt(D).
+    sm_scale: softmax scale, a finite concrete number (static: compiled in); default 1/sqrt(D).
     impl: "pallas" (the fused Mosaic GPU kernel; Hopper GPUs) or "reference"
       (jnp). Default: "pallas" on a GPU, else "reference".
     config: `pallas_kernels.decode_attention.DecodeConfig` or None (heuristic).

@@ -41,7 +41,15 @@ def check_query(q, cache: PagedKVCache) -> None:
 
 
 def default_scale(head_dim: int, sm_scale: float | None) -> float:
-  return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+  """The softmax scale as a Python float (it is a static argument of the compiled paths)."""
+  if sm_scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  if isinstance(sm_scale, jax.core.Tracer):
+    raise TypeError("sm_scale must be a concrete number (it is static, compiled into the kernel), got a traced value")
+  scale = float(sm_scale)
+  if not math.isfinite(scale):  # every score would be NaN / inf: a NaN output, and a recompile per call (NaN != NaN)
+    raise ValueError(f"sm_scale must be finite, got {scale}")
+  return scale
 
 
 def gather_sequences(cache: PagedKVCache, k_pages: jax.Array, v_pages: jax.Array):
