@@ -771,6 +771,8 @@ def decode_attention_pallas(q, cache: PagedKVCache, scale: float, *, config: Dec
   """
   if config is None:
     config = default_config(cache)
+  if not isinstance(config, DecodeConfig):
+    raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}")
   if work is not None and config.schedule != "balanced":
     raise ValueError(f"work items are the balanced schedule's; config.schedule is {config.schedule!r}")
   if work is not None:

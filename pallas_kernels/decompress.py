@@ -210,8 +210,8 @@ def restore_pages_pallas(arena: jax.Array, group_meta: jax.Array, *, head_dim: i
   layout.check_head_dim(head_dim)
   if arena.dtype != jnp.uint8 or arena.ndim != 2 or arena.shape[1] != B.UNIT_BYTES:
     raise ValueError(f"arena must be uint8 [units, {B.UNIT_BYTES}], got {arena.dtype} {arena.shape}")
-  if group_meta.ndim != 4 or group_meta.shape[2] != 2 or group_meta.shape[3] not in (2, 4):
-    raise ValueError(f"group_meta must be uint32 [Hkv, P, 2, 2 or 4], got {group_meta.shape}")
+  if group_meta.dtype != jnp.uint32 or group_meta.ndim != 4 or group_meta.shape[2] != 2 or group_meta.shape[3] not in (2, 4):
+    raise ValueError(f"group_meta must be uint32 [Hkv, P, 2, 2 or 4], got {group_meta.dtype} {group_meta.shape}")
   config = config or DecompressConfig()
   kv_heads, pages, _, width = group_meta.shape
   groups = kv_heads * pages * 2

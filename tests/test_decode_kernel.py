@@ -515,6 +515,8 @@ def test_bad_impl_is_refused():
   cache = zf.paged_cache_from_dense(k, v, np.array([20]))
   with pytest.raises(ValueError, match="impl"):
     zf.paged_decode_attention(jnp.zeros((1, 2, 64), jnp.bfloat16), cache, impl="triton")
+  with pytest.raises(TypeError, match="must be a DecodeConfig"):
+    zf.paged_decode_attention(jnp.zeros((1, 2, 64), jnp.bfloat16), cache, impl="pallas", config={"stages": 2})
 
 
 @pytest.mark.parametrize("cuts", [(40, 40), tuple(range(0, 91, 9))])  # 3 partials (unrolled), 12 (reduced)

@@ -117,6 +117,8 @@ def test_bad_inputs_are_clear_errors():
     restore_pages_pallas(cache.arena.reshape(-1), cache.group_meta, head_dim=64, interpret=True)
   with pytest.raises(ValueError, match="group_meta must be"):
     restore_pages_pallas(cache.arena, cache.group_meta[..., :1], head_dim=64, interpret=True)
+  with pytest.raises(ValueError, match="group_meta must be uint32"):
+    restore_pages_pallas(cache.arena, cache.group_meta.astype(jnp.int32), head_dim=64, interpret=True)
   with pytest.raises(ValueError, match="impl="):
     zf.restore_pages(cache, impl="cuda")
   with pytest.raises(TypeError, match="interpret"):

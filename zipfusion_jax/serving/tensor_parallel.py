@@ -72,7 +72,8 @@ class TensorParallel:
       raise TensorParallelError(f"--tensor-parallel {n} must be >= 1")
     if n > len(devices):
       raise TensorParallelError(
-          f"--tensor-parallel {n} needs {n} devices, {len(devices)} present ({devices[0].platform}); on CPU, "
+          f"--tensor-parallel {n} needs {n} devices, {len(devices)} present"
+          f"{f' ({devices[0].platform})' if devices else ''}; on CPU, "
           f"XLA_FLAGS=--xla_force_host_platform_device_count={n} provides them"
       )
     return cls(Mesh(np.array(devices[:n]), (AXIS,)))
