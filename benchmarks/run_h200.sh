@@ -8,14 +8,13 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
-# 0000. (Fifteenth session, 2026-12-07.) On the H100 the merge kernel at 8 items per load took the
-# one-long mix's merge from 41.2 to 9.2 us (the mix 85.2 us against the grid's 614.9). Not yet run
-# anywhere: the serving engine with the host-planned balanced schedule on a ragged batch
-# (`run_priority.sh serving`: benchmarks.generate --lengths uniform --schedules grid,balanced,
-# ~300 s for both stores, KV=compressed halves it), and the balanced schedule's device plan as one
-# Triton kernel (`plan_items`, was 9-10 XLA kernels: `run_priority.sh ragged`, its `balanced`
-# column). Then issue 3's compressor on the H200.
-# `bash benchmarks/run_priority.sh` with no step runs compress serving attention on an H200.
+# 00000. (Sixteenth session, 2026-12-07.) On the H100: the host plan cut to its used rows
+# (`balanced_fit`) runs the attention kernel at the grid's time at equal lengths; the plan kernel
+# takes 2.8-3.0 us; inside the engine the two schedules were within 0.5% on a uniform batch. Still
+# waiting for an H200: `bash benchmarks/run_priority.sh` (carry [".carry"]) runs issue 3's
+# compressor, the attention table at the target shapes (issues 4 and 10) and FlashInfer there.
+# 0000. (Fifteenth session, 2026-12-07; both measured in the sixteenth.) The engine's ragged-batch
+# comparison and the device plan's Triton kernel.
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -s KILL 330 python3 -m benchmarks.generate --models llama3.1-8b --batch 32 --context 8192 --lengths uniform --schedules grid,balanced --decode-steps 32 --out "$out/generate_ragged_h200.json" 2>&1 | grep -E "tok/s|Error"
 # 000. (Fourteenth session, 2026-12-07; measured in the fifteenth, above.) The balanced schedule's merge is one Pallas Triton kernel
 # (`merge_items`); on the H100 its first version (one item per load) was correct and cost 1.6-7 us,

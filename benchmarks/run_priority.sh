@@ -8,10 +8,10 @@
 # compute split), serving (the engine on a ragged batch, grid against balanced schedule), items
 # (the balanced schedule with one wave of spare items per KV head, not two: fewer unused CTAs at
 # equal lengths, where it is 2.5-5.4% behind the grid on the H100). No step: compress attention
-# flashinfer on an H200 (issues 3, 4 and 10 wait on those figures; pass carry [".carry"]), ragged
-# serving on an H100 (not yet timed: the device plan's kernel `plan_items`, the host plan cut to
-# its used rows `balanced_fit`, and the engine's host-planned balanced schedule on a ragged batch;
-# serving runs the 12-bit store unless KV=compressed,uncompressed).
+# flashinfer on an H200 (issues 3, 4 and 10 wait on those figures; pass carry [".carry"]),
+# attention probes on an H100 (the target shapes with the current tree, and where format 2's
+# time goes). `ragged` and `serving` (12-bit store unless KV=compressed,uncompressed) ran on the
+# H100 in the sixteenth session (benchmarks/RESULTS.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -22,7 +22,7 @@ echo "device: $gpu ($(date -u +%FT%TZ))"
 tag=h100; [[ "$gpu" == *H200* ]] && tag=h200
 steps=("$@")
 if [[ ${#steps[@]} == 0 ]]; then
-  if [[ $tag == h200 ]]; then steps=(compress attention flashinfer); else steps=(ragged serving); fi
+  if [[ $tag == h200 ]]; then steps=(compress attention flashinfer); else steps=(attention probes); fi
 fi
 for step in "${steps[@]}"; do
   case $step in
