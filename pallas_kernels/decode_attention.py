@@ -791,8 +791,8 @@ def check_work_items(work, batch: int, lengths=None) -> None:
   traced; a traced pair is the caller's to get right), a `seq_first` that rises from 0 within the
   table. With `lengths` int [B] (concrete, as is the pair): the items must also cover each
   sequence's pages (tail included) once, as consecutive items of that sequence from page 0, and
-  every row past them be unused (sequence -1); a plan of other lengths would attend over the
-  wrong pages (or none) without a word. The serving plan check (`check_plan`) does the same."""
+  every row past them be unused, (-1, 0, 0); a plan of other lengths would attend over the
+  wrong pages (or none) without a word. The serving plan check (`check_plan`) runs this."""
   table, seq_first = work
   if (len(table.shape) != 2 or table.shape[1] != 3 or table.shape[0] % ITEMS_PER_LOAD
       or tuple(seq_first.shape) != (batch + 1,)
@@ -812,7 +812,7 @@ def check_work_items(work, batch: int, lengths=None) -> None:
   seq, start, end = table[:used].T
   pages = -(-lengths // PAGE_SIZE)
   has = np.diff(seq_first) > 0
-  ok = np.array_equal(has, pages > 0) and np.all(table[used:, 0] == -1)
+  ok = np.array_equal(has, pages > 0) and np.all(table[used:] == [-1, 0, 0])
   if ok and used:
     last = seq_first[1:][has] - 1  # each sequence's last item reaches its last page
     prev_end = np.concatenate([[0], end[:-1]])

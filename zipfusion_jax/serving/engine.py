@@ -288,12 +288,11 @@ class Engine:
       report.preempted = [r.rid for r in preempted]
     if sched.running:
       lengths = {s: r.length for s, r in sched.running.items()}
-      with self._cancel_on_error(placement):
-        plan = self.with_work(decode_plan(cfg, lengths, [r.slot for r in done], placement))
       tokens = np.zeros(cfg.num_slots, np.int32)
       for s, r in sched.running.items():
         tokens[s] = r.generated[-1]
       with self._cancel_on_error(placement):
+        plan = self.with_work(decode_plan(cfg, lengths, [r.slot for r in done], placement))
         nxt, aux, units = self.run_decode(plan, tokens)
       report.readback_bytes += nxt.nbytes + aux.nbytes + units.nbytes
       self.allocator.commit(placement, units)  # the completed pages' columns come first, in slot order

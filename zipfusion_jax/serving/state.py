@@ -360,21 +360,7 @@ def _check_work(plan: Plan, lengths) -> None:
   from pallas_kernels.decode_attention import check_work_items  # kernels sit above the serving state
 
   table, first = np.asarray(plan.work_table), np.asarray(plan.work_first)
-  S = lengths.shape[0]
-  try:  # shapes, integer arrays, `work_first` rising from 0 within the table
-    check_work_items((table, first), S)
+  try:  # shapes, integer arrays, `work_first` rising from 0, and each slot's pages covered once
+    check_work_items((table, first), lengths.shape[0], lengths)
   except ValueError as e:
     raise PlanError(f"plan.work_table / work_first: {e}") from e
-  used = int(first[-1])
-  seq, start, end = table[:used].T
-  pages = -(-lengths // PAGE_SIZE)
-  has = np.diff(first) > 0
-  ok = np.array_equal(has, pages > 0) and np.all(table[used:] == [-1, 0, 0])
-  if ok and used:
-    runs_start = np.r_[True, seq[1:] != seq[:-1]]  # each slot's first item starts at page 0, the next where it ended
-    last = first[1:][has] - 1  # each slot's last item reaches its last page
-    ok = (np.array_equal(seq, np.repeat(np.arange(S), np.diff(first))) and np.all(end > start)
-          and np.all(np.where(runs_start, start == 0, start == np.r_[0, end[:-1]]))
-          and np.all(start[last] < pages[has]) and np.all(end[last] >= pages[has]))
-  if not ok:
-    raise PlanError("plan.work_table does not cover each active slot's pages once, in consecutive items")
