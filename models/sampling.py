@@ -41,7 +41,12 @@ class Sampling:
     (sampling only: greedy picks need no restriction)."""
     if self.temperature == 0:
       raise ValueError("restrict() is for sampling (temperature > 0); greedy takes the argmax")
-    logits = logits.astype(jnp.float32) / self.temperature
+    logits = logits.astype(jnp.float32)
+    # Shift by the row's maximum first: a tiny temperature then sends the others to -inf, not the
+    # maximum to +inf (inf - inf would make NaN probabilities); a subnormal one is raised to the
+    # smallest normal float32 (flushed to zero it would divide 0 by 0).
+    temperature = max(self.temperature, float(jnp.finfo(jnp.float32).tiny))
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
     if self.top_k and self.top_k < logits.shape[-1]:
       kth = jax.lax.top_k(logits, int(self.top_k))[0][..., -1:]
       logits = jnp.where(logits < kth, -jnp.inf, logits)

@@ -28,6 +28,16 @@ def test_greedy_and_its_equivalents_pick_the_argmax():
   chex.assert_trees_all_equal(Sampling(2.0, top_p=1e-6).pick(logits, keys), greedy)
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45])
+def test_a_tiny_temperature_picks_the_argmax_without_nan(temperature):
+  # Dividing first overflowed the maximum to +inf: inf - inf made every probability NaN.
+  logits = jax.random.normal(jax.random.key(4), (6, 50)) * 30
+  keys = jax.random.split(jax.random.key(5), 6)
+  sampling = Sampling(temperature, top_p=0.9)
+  assert not np.isnan(np.asarray(sampling.restrict(logits))).any()
+  chex.assert_trees_all_equal(sampling.pick(logits, keys), jnp.argmax(logits, -1).astype(jnp.int32))
+
+
 def test_top_k_keeps_the_k_most_likely_tokens_only():
   drawn = _draws(Sampling(1.0, top_k=2))
   assert set(drawn) == {3, 0}
@@ -47,7 +57,7 @@ def test_restrict_matches_a_numpy_reference():
   logits = rng.normal(size=(4, 32)).astype(np.float32)
   s = Sampling(0.7, top_k=10, top_p=0.8)
   got = np.asarray(s.restrict(jnp.asarray(logits)))
-  for row, out in zip(logits / 0.7, got):
+  for row, out in zip((logits - logits.max(-1, keepdims=True)) / 0.7, got):  # shifted: max 0
     order = np.argsort(-row)[:10]  # top_k first, then top_p over what it kept (renormalised)
     probs = np.exp(row[order] - row[order].max())
     probs /= probs.sum()
