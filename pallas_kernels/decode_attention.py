@@ -261,10 +261,14 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   end_page = jnp.minimum(item_end, total_pages)
   n_steps = jnp.maximum(end_page - first_page + STEP_PAGES - 1, 0) // STEP_PAGES
 
-  info_words, kind_words = info_smem.shape[-1], P.KIND_WORDS[version]
+  kind_words = P.KIND_WORDS[version]
+  # The consumer's splat words per slot: the flags and word1s (version 2 on the GPU reads its
+  # folded exception words from the record itself); the interpreter's restore takes the exception
+  # entries too.
+  splat_words = R.INFO_WORDS_V2 if version == 2 and not in_registers else 3
 
   def slot_infos(stage):
-    return [tuple(info_smem[stage, s, i] for i in range(info_words)) for s in range(STEP_PAGES)]
+    return [tuple(info_smem[stage, s, i] for i in range(splat_words)) for s in range(STEP_PAGES)]
 
   @pl.when(used & (wg < consumers))
   def _consumer():
@@ -298,10 +302,17 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
         return acc, m_i, l_rows
       infos = slot_infos(stage)
       if in_registers:
-        operands = (byte_smem.at[stage],)
-        k = _inline(R.restore_k, (_BYTES,), operands, infos, head_dim, (STEP_TOKENS, head_dim))
+        if version == 2:  # the byte stage and the step's records (the blocks' folded exceptions)
+          operands = (byte_smem.at[stage], info_smem.at[stage])
+          with_record = lambda fn: lambda byte_ref, record_ref, infos, head_dim: fn(
+              byte_ref, infos, head_dim=head_dim, record_ref=record_ref)
+          restore_k_fn, restore_vt_fn = with_record(R.restore_k), with_record(R.restore_vt)
+        else:
+          operands, restore_k_fn, restore_vt_fn = (byte_smem.at[stage],), R.restore_k, R.restore_vt
+        ref_types = (_BYTES,) * len(operands)
+        k = _inline(restore_k_fn, ref_types, operands, infos, head_dim, (STEP_TOKENS, head_dim))
 
-        restore_vt = lambda: _inline(R.restore_vt, (_BYTES,), operands, infos, head_dim, (head_dim, STEP_TOKENS))
+        restore_vt = lambda: _inline(restore_vt_fn, ref_types, operands, infos, head_dim, (head_dim, STEP_TOKENS))
 
         def qk(acc_ref):  # V^T is restored while S^T = K Q^T runs, unless v_after_qk
           plgpu.wgmma(acc_ref, k, q_t)

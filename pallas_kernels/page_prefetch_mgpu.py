@@ -15,6 +15,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, scf
 from jax.experimental.mosaic.gpu import utils as mu
 
+from pallas_kernels import restore_mgpu as R
 from pallas_kernels.restore_mgpu import RAW, _c, _eq, _i32, _scalar, _slot_byte
 
 CHUNK_PAGES = 128  # one page per producer thread
@@ -83,8 +84,9 @@ def info_fields(version: int) -> tuple[int, ...]:
 
 
 def info_words(version: int) -> int:
-  """Words of a slot's info record: the flags, then the `info_fields` words."""
-  return 1 + len(info_fields(version))
+  """Words of a slot's info record: the flags, then the `info_fields` words (version 2: then a pad
+  word and the blocks' folded exception words, `restore_mgpu.folded_word`)."""
+  return R.RECORD_WORDS_V2 if version == 2 else 1 + len(info_fields(version))
 
 
 def write_step_info(chunk_ref, info_ref, stage, local, *flags, version, compressed):
@@ -93,7 +95,10 @@ def write_step_info(chunk_ref, info_ref, stage, local, *flags, version, compress
   One word per producer thread, all stored at once. (A Pallas scalar store costs two
   warpgroup barriers and a load of the old value: 12 such stores per step in version 1
   and 28 in version 2 serialized the producer.) The caller's `commit_smem` (fence + warpgroup
-  barrier) orders the stores before the step's arrival.
+  barrier) orders the stores before the step's arrival. Version 2: threads 8..31 of each slot
+  store the slot's folded exception words (`restore_mgpu.block_exception_words` of K's and V's
+  blocks), so each block's exception is worked out once per step instead of by every consumer
+  thread that decodes one of its fragments.
 
   Args:
     chunk_ref: SMEM i32 [CHUNK_PAGES, entry_words(version)]; info_ref: SMEM i32 [stages, 4, W],
@@ -115,9 +120,20 @@ def write_step_info(chunk_ref, info_ref, stage, local, *flags, version, compress
   op = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, tid, _c(len(flags) * words)))
   with ir.InsertionPoint(op.then_block):
     if compressed:
-      entry = arith.addi(arith.muli(arith.addi(local, slot), _c(entry_words(version))), column)
-      loaded = llvm.load(_i32(), mu.getelementptr(mu.memref_ptr(chunk_ref), [entry], _i32()))
-      value = arith.select(_eq(word, _c(0)), flag, loaded)
+      chunk_ptr = mu.memref_ptr(chunk_ref)
+      row = arith.muli(arith.addi(local, slot), _c(entry_words(version)))
+      load = lambda col: llvm.load(_i32(), mu.getelementptr(chunk_ptr, [arith.addi(row, col)], _i32()))
+      value = arith.select(_eq(word, _c(0)), flag, load(column))
+      if version == 2:  # word FOLDED_BASE + 3 (4 kind + j) + which
+        is_folded = arith.cmpi(arith.CmpIPredicate.uge, word, _c(R.FOLDED_BASE))
+        k = arith.select(is_folded, arith.subi(word, _c(R.FOLDED_BASE)), _c(0))
+        block, which = arith.divui(k, _c(R.FOLDED_PER_BLOCK)), arith.remui(k, _c(R.FOLDED_PER_BLOCK))
+        kind, j = arith.shrui(block, _c(2)), arith.andi(block, _c(3))
+        first = arith.muli(kind, _c(KIND_WORDS[version]))  # this kind's fields: word1 at 2, words 2, 3 at 4, 5
+        w1, w2, w3 = (load(arith.addi(first, _c(col))) for col in (2, 4, 5))
+        hit_x, hit_y, target = R.block_exception_words(R.MlirOps, w1, w2, w3, j)
+        folded = arith.select(_eq(which, _c(0)), hit_x, arith.select(_eq(which, _c(1)), hit_y, target))
+        value = arith.select(is_folded, folded, value)
     else:
       value = arith.select(_eq(word, _c(0)), flag, _c(0))
     dest = arith.addi(arith.muli(stage, _c(len(flags) * words)), tid)

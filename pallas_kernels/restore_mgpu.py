@@ -47,9 +47,24 @@ RAW = FB.META_RAW  # the slot byte of a raw block
 # Per-slot flag bits in the info words the producer writes.
 FLAG_PAGE = 1  # a completed (compressed / BF16) page
 FLAG_TAIL = 2  # the raw tail page, BF16 in its byte-stage slot (or the tile)
+# neither: the slot lies past the sequence (or the split)
 # Info record words per slot (page_prefetch_mgpu.info_words): 3 in version 1 (flags, K word1, V word1);
 INFO_WORDS_V2 = 7  # version 2 adds K word2, K word3, V word2, V word3 (exception entries)
-# neither: the slot lies past the sequence (or the split)
+# Version 2's record then holds, from word FOLDED_BASE, each block's exception folded into bias
+# words (`block_exception_words`: hit_x, hit_y, target), per kind (K, V) and block j (0..3): the
+# producer computes them once per step, so the consumer's whole version-2 surcharge is three shared
+# loads per block and one compare and two selects per fragment.
+FOLDED_BASE = 8
+FOLDED_PER_BLOCK = 3
+RECORD_WORDS_V2 = FOLDED_BASE + 2 * 4 * FOLDED_PER_BLOCK  # 32: one word per producer thread per slot
+
+
+def folded_word(kind: int, j, which: int = 0):
+  """Index in a version-2 slot record of block j's (K: kind 0, V: 1) folded word `which` (0: hit_x,
+  1: hit_y, 2: target); j an int or an i32 value."""
+  if isinstance(j, int):
+    return FOLDED_BASE + (4 * kind + j) * FOLDED_PER_BLOCK + which
+  return arith.addi(arith.muli(j, _c(FOLDED_PER_BLOCK)), _c(FOLDED_BASE + 4 * kind * FOLDED_PER_BLOCK + which))
 
 
 def _i32():
@@ -151,46 +166,33 @@ def _decode_fragment(block_ptr, frag, slot_byte):
   return _finish_fragment(lx, ly, *_decode_high(code, bias, bias), rx, ry, slot_byte)
 
 
-def _has_exception(slot_byte):
-  """Version 2: the slot byte is 0x80 | b/2 (0x80..0xFD)."""
-  return arith.andi(_eq(arith.shrui(slot_byte, _c(7)), _c(1)),
-                    arith.cmpi(arith.CmpIPredicate.ult, slot_byte, _c(FB.META_ABSENT)))
-
-
-def _exception_entry(w2, w3, j):
-  """Block j's 16-bit exception entry from the record's words 2, 3 (j an i32 or an int)."""
-  if isinstance(j, int):
-    return arith.andi(arith.shrui((w2, w3)[j // 2], _c(16 * (j % 2))), _c(0xFFFF))
-  word = arith.select(arith.cmpi(arith.CmpIPredicate.ult, j, _c(2)), w2, w3)
-  return arith.andi(arith.shrui(word, arith.shli(arith.andi(j, _c(1)), _c(4))), _c(0xFFFF))
-
-
 class MlirOps:
-  """The integer ops `exception_biases` uses, on i32 / i1 MLIR values (tests pass numpy ones)."""
+  """The integer ops of `exception_words` and `block_exception_words`, on i32 / i1 MLIR values (tests pass numpy ones)."""
 
   and_, shl, shr = staticmethod(arith.andi), staticmethod(arith.shli), staticmethod(arith.shrui)
   add, sub, mul, select = staticmethod(arith.addi), staticmethod(arith.subi), staticmethod(arith.muli), staticmethod(arith.select)
   eq = staticmethod(_eq)
 
   @staticmethod
+  def lt(a, b):  # unsigned
+    return arith.cmpi(arith.CmpIPredicate.ult, a, b)
+
+  @staticmethod
   def const(v):
     return _c(v - (1 << 32) if v >= 1 << 31 else v)
 
 
-def exception_biases(ops, frag, entry, flagged, half_base):
-  """Version 2: the biases (Bx, By) of `_decode_high` for fragment `frag` of a block with b/2 =
-  `half_base` and exception entry `entry` (`flagged`: the block has one).
+def exception_words(ops, entry, flagged, half_base):
+  """Version 2: a block's exception folded into bias words: (hit_x, hit_y, target) for a block with
+  b/2 = `half_base` and exception entry `entry` (`flagged`: the block has one).
 
-  Every byte is hb, except the exception's: its code has d = 0 (docs/FORMAT.md §9), so putting
-  its `e >> 1` in that byte of the bias decodes it exactly (sign from the code, no carry: e >> 1
-  <= 127). That byte is hb + (e >> 1 - hb): adding `(e >> 1 - hb) << 8 (p & 3)` to the bias
-  word (32-bit wrap) borrows nothing, since the byte only drops to e >> 1 >= 0. Position p is
-  byte p & 3 of Hx (p & 4 == 0) or Hy of fragment p >> 3.
-  Everything but the last three ops is per block (the fragment's terms do not enter it): the
-  patched word pair (Bx*, By*) and the exception's fragment (none: -1), so each fragment costs
-  one compare and two selects, the consumer's whole version-2 surcharge on a fragment
-  (a block's fragments share the rest through LLVM's CSE). Written against `ops` (MLIR or numpy)
-  so the same code is tested off-GPU.
+  The biases of `_decode_high` are hb in every byte, except the exception's: its code has d = 0
+  (docs/FORMAT.md §9), so putting its `e >> 1` in that byte of the bias decodes it exactly (sign
+  from the code, no carry: e >> 1 <= 127). That byte is hb + (e >> 1 - hb): adding `(e >> 1 - hb)
+  << 8 (p & 3)` to the bias word (32-bit wrap) borrows nothing, since the byte only drops to
+  e >> 1 >= 0. Position p is byte p & 3 of Hx (p & 4 == 0) or Hy of fragment `target` = p >> 3
+  (none: 0xFFFFFFFF); `fold_biases` picks them per fragment. Written against `ops` (MLIR or
+  numpy) so the same code is tested off-GPU.
   """
   c = ops.const
   bias = ops.mul(half_base, c(0x01010101))
@@ -198,34 +200,51 @@ def exception_biases(ops, frag, entry, flagged, half_base):
   patched = ops.add(bias, ops.shl(ops.sub(ops.shr(entry, c(FB.POSITION_BITS)), half_base),
                                   ops.shl(ops.and_(p, c(3)), c(3))))
   in_x = ops.eq(ops.and_(p, c(4)), c(0))
-  hit_x, hit_y = ops.select(in_x, patched, bias), ops.select(in_x, bias, patched)
   target = ops.select(flagged, ops.shr(p, c(3)), c(0xFFFFFFFF))  # the exception's fragment, or none
+  return ops.select(in_x, patched, bias), ops.select(in_x, bias, patched), target
+
+
+def block_exception_words(ops, word1, word2, word3, j):
+  """`exception_words` of block j (an int or a per-thread value, 0..3) of a version-2 group
+  record's words 1 (slot bytes), 2, 3 (exception entries): what the producer stores at
+  `folded_word(kind, j, 0..2)`."""
+  c = ops.const
+  shift = ops.shl(j, c(3)) if not isinstance(j, int) else c(8 * j)
+  slot = ops.and_(ops.shr(word1, shift), c(0xFF))
+  flagged = ops.and_(ops.eq(ops.shr(slot, c(7)), c(1)), ops.lt(slot, c(FB.META_ABSENT)))
+  high = j >= 2 if isinstance(j, int) else ops.eq(ops.shr(j, c(1)), c(1))
+  word = (word3 if high else word2) if isinstance(j, int) else ops.select(high, word3, word2)
+  entry_shift = c(16 * (j % 2)) if isinstance(j, int) else ops.shl(ops.and_(j, c(1)), c(4))
+  entry = ops.and_(ops.shr(word, entry_shift), c(0xFFFF))
+  return exception_words(ops, entry, flagged, ops.and_(slot, c(FB.MAX_HALF_BASE)))
+
+
+def fold_biases(ops, frag, bias, hit_x, hit_y, target):
+  """The biases (Bx, By) of `_decode_high` for fragment `frag`: the folded words where it holds
+  the exception, else `bias` (hb in every byte): one compare and two selects."""
   hit = ops.eq(frag, target)
   return ops.select(hit, hit_x, bias), ops.select(hit, hit_y, bias)
 
 
+def exception_biases(ops, frag, entry, flagged, half_base):
+  """`exception_words` and `fold_biases` in one: the biases (Bx, By) of fragment `frag`."""
+  return fold_biases(ops, frag, ops.mul(half_base, ops.const(0x01010101)),
+                     *exception_words(ops, entry, flagged, half_base))
+
+
+def _folded_words(record_ptr, index):
+  """The 3 folded words of a block from the stage's record SMEM (`index`: its hit_x word, an i32)."""
+  return [_load32(record_ptr, arith.shli(arith.addi(index, _c(w)), _c(2))) for w in range(FOLDED_PER_BLOCK)]
+
+
 def _decode_fragments_v2(parts):
-  """Version 2: `parts` = [(block_ptr, frag, slot_byte, entry_fn)] of one thread -> their words, flat
-  (`entry_fn()` builds the block's exception entry: only the branch that folds exceptions runs it).
-
-  The loads of every part are issued first (branch-free); the biases are plain hb unless one of
-  the parts' blocks has an exception, under one warp-uniform branch that reads only metadata, so
-  it runs while the loads are in flight and the decode itself is version 1's."""
+  """Version 2: `parts` = [(block_ptr, frag, slot_byte, (hit_x, hit_y, target))] of one thread
+  -> their words, flat. The decode is version 1's with the folded biases: no branch."""
   loaded = [_load_words(ptr, frag) for ptr, frag, _, _ in parts]
-  half_bases = [arith.andi(slot, _c(FB.MAX_HALF_BASE)) for _, _, slot, _ in parts]
-  flagged = [_has_exception(slot) for _, _, slot, _ in parts]
-
-  def folded():
-    return [b for (_, frag, _, entry_fn), f, hb in zip(parts, flagged, half_bases)
-            for b in exception_biases(MlirOps, frag, entry_fn(), f, hb)]
-
-  def plain():
-    return [b for hb in half_bases for b in (arith.muli(hb, _c(0x01010101)),) * 2]
-
-  biases = _branch(functools.reduce(arith.ori, flagged), 2 * len(parts), folded, plain)
   words = []
-  for i, ((_, _, slot, _), (lx, ly, code, rx, ry)) in enumerate(zip(parts, loaded)):
-    words += _finish_fragment(lx, ly, *_decode_high(code, biases[2 * i], biases[2 * i + 1]), rx, ry, slot)
+  for (_, frag, slot, folded), (lx, ly, code, rx, ry) in zip(parts, loaded):
+    bias = arith.muli(arith.andi(slot, _c(FB.MAX_HALF_BASE)), _c(0x01010101))
+    words += _finish_fragment(lx, ly, *_decode_high(code, *fold_biases(MlirOps, frag, bias, *folded)), rx, ry, slot)
   return words
 
 
@@ -336,20 +355,19 @@ def _setup(byte_ref, infos):
   return warp, lane, g, t, mu.memref_ptr(byte_ref), infos
 
 
-def restore_k(byte_ref, infos, *, head_dim):
+def restore_k(byte_ref, infos, *, head_dim, record_ref=None):
   """K `[64 tokens, D]` of one step as a register A operand; warp w restores page slot w.
 
   Args:
     byte_ref: memref uint8 [2 (K, V), 4 slots, 4 * nb units, 256], this step's groups; a slot
       flagged FLAG_TAIL holds the BF16 tail page `[16, D]` in natural order instead.
-    infos: per slot (flags, k_word1, v_word1) i32 values (splat arrays); format version 2:
-      (flags, k_word1, v_word1, k_word2, k_word3, v_word2, v_word3), words 2, 3 holding the
-      blocks' exception entries (FORMAT.md §9).
+    infos: per slot (flags, k_word1, v_word1) i32 values (splat arrays).
+    record_ref: format version 2 only: the step's info records, memref i32 [4 slots,
+      RECORD_WORDS_V2], whose folded words (`folded_word`) carry the blocks' exceptions.
   Returns: a bf16 [64, D] WGMMA-layout FragmentedArray (register i = 8j + 4c + pair).
   """
   nblocks = head_dim // 32
   warp, lane, g, t, byte_ptr, infos = _setup(byte_ref, infos)
-  v2 = len(infos[0]) == INFO_WORDS_V2
   picked = list(infos[0])  # this warp's slot's info words
   for s in range(1, PAGES_PER_STEP):
     is_s = _eq(warp, _c(s))
@@ -361,9 +379,10 @@ def restore_k(byte_ref, infos, *, head_dim):
   def from_bytes():
     starts = _block_starts(kw1, nblocks)
     ptrs = [_gep(slot_ptr, arith.muli(starts[j], _c(UNIT))) for j in range(nblocks)]
-    if v2:
-      return _decode_fragments_v2([(ptrs[j], arith.addi(lane, _c(32 * c)), _slot_byte(kw1, j),
-                                    functools.partial(_exception_entry, picked[3], picked[4], j))
+    if record_ref is not None:  # version 2: slot w's K blocks' folded words
+      record_ptr, first = mu.memref_ptr(record_ref), arith.muli(warp, _c(RECORD_WORDS_V2))
+      folded = [_folded_words(record_ptr, arith.addi(first, _c(folded_word(0, j)))) for j in range(nblocks)]
+      return _decode_fragments_v2([(ptrs[j], arith.addi(lane, _c(32 * c)), _slot_byte(kw1, j), folded[j])
                                    for j in range(nblocks) for c in range(2)])
     words = []
     for j in range(nblocks):
@@ -379,7 +398,7 @@ def restore_k(byte_ref, infos, *, head_dim):
   return _fragments(_select_slots([(flags, from_bytes(), from_tail)], zero_absent=False), (4 * PAGE, head_dim))
 
 
-def restore_vt(byte_ref, infos, *, head_dim):
+def restore_vt(byte_ref, infos, *, head_dim, record_ref=None):
   """V^T `[D, 64 tokens]` of one step as a register A operand (see `restore_k` for the args).
 
   Warp w of M-group m holds dims 64m + 16w + (0..15): block j = 2m + w // 2, tile c = w % 2 of
@@ -390,22 +409,23 @@ def restore_vt(byte_ref, infos, *, head_dim):
   warp, lane, g, t, byte_ptr, infos = _setup(byte_ref, infos)
   frag = arith.addi(lane, arith.shli(arith.andi(warp, _c(1)), _c(5)))  # 32c + lane
   slot_bytes = 4 * nblocks * UNIT
-  v2 = len(infos[0]) == INFO_WORDS_V2
+  record_ptr = None if record_ref is None else mu.memref_ptr(record_ref)
   per_slot = []
   for s in range(PAGES_PER_STEP):
     flags, vw1 = infos[s][0], infos[s][2]
     slot_ptr = _gep(byte_ptr, _c((PAGES_PER_STEP + s) * slot_bytes))  # kind 1 (V), slot s
 
-    def from_bytes(slot_ptr=slot_ptr, vw1=vw1, info=infos[s]):
+    def from_bytes(slot_ptr=slot_ptr, vw1=vw1, s=s):
       starts = block_starts_word(MlirOps, vw1)
       parts = []
       for m in range(groups):
         j_dyn = arith.addi(_c(2 * m), arith.shrui(warp, _c(1)))
         shift = arith.shli(j_dyn, _c(3))  # byte j of the starts and slot-byte words
         start, hb = _byte(starts, shift), _byte(vw1, shift)
-        entry_fn = functools.partial(_exception_entry, info[5], info[6], j_dyn) if v2 else None
-        parts.append((_gep(slot_ptr, arith.muli(start, _c(UNIT))), frag, hb, entry_fn))
-      if v2:
+        folded = None if record_ptr is None else _folded_words(
+            record_ptr, arith.addi(folded_word(1, j_dyn), _c(s * RECORD_WORDS_V2)))
+        parts.append((_gep(slot_ptr, arith.muli(start, _c(UNIT))), frag, hb, folded))
+      if record_ptr is not None:  # version 2
         return _decode_fragments_v2(parts)
       return [w for ptr, frag_, hb, _ in parts for w in _decode_fragment(ptr, frag_, hb)]
 

@@ -609,7 +609,10 @@ def test_the_restore_recognises_version_2_by_the_record_the_producer_writes():
   from pallas_kernels import page_prefetch_mgpu as P
   from pallas_kernels import restore_mgpu as R
 
-  assert P.info_words(2) == R.INFO_WORDS_V2 != P.info_words(1)
+  assert P.info_words(1) == 3 and P.info_words(2) == R.RECORD_WORDS_V2
+  assert 1 + len(P.info_fields(2)) == R.INFO_WORDS_V2 <= R.FOLDED_BASE  # the interpreter's words come first
+  assert R.folded_word(1, 3, 2) == R.RECORD_WORDS_V2 - 1  # V's last block's target is the record's last word
+  assert P.CHUNK_PAGES >= R.PAGES_PER_STEP * R.RECORD_WORDS_V2  # one word per producer thread
 
 
 def _kernel_primitives(fn, *args):

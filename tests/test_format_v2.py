@@ -231,22 +231,37 @@ def test_paged_cache_in_version_2_attends_like_version_1(head_dim):
 
 
 class NumpyOps:
-  """`restore_mgpu.exception_biases`'s integer ops on numpy uint32 / bool arrays."""
+  """`restore_mgpu.MlirOps` on numpy uint32 / bool arrays."""
 
   and_, shl, shr = np.bitwise_and, np.left_shift, np.right_shift
-  add, sub, mul, select, eq = np.add, np.subtract, np.multiply, np.where, np.equal
+  add, sub, mul, select, eq, lt = np.add, np.subtract, np.multiply, np.where, np.equal, np.less
 
   @staticmethod
   def const(v):
     return np.asarray(v, np.uint32)
 
 
-def register_decode(c: CompressedBlocks, fold: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def producer_words(c: CompressedBlocks, dynamic_j: bool) -> np.ndarray:
+  """Each block's folded exception words (hit_x, hit_y, target) as the kernel's producer computes
+  them from its group record (`restore_mgpu.block_exception_words`, numpy ops; block j as a
+  constant or, `dynamic_j`, as a per-thread value): uint32 [N, 3]."""
+  meta = np.asarray(c.group_meta).astype(np.uint32)
+  out = []
+  for j in range(4):
+    jj = np.full(meta.shape[0], j, np.uint32) if dynamic_j else j
+    out.append(np.stack(restore_mgpu.block_exception_words(NumpyOps, meta[:, 1], meta[:, 2], meta[:, 3], jj), -1))
+  return np.stack(out, 1).reshape(-1, 3)[: c.num_blocks].astype(np.uint32)
+
+
+def register_decode(c: CompressedBlocks, fold: bool = True, via_producer: bool = False,
+                    dynamic_j: bool = False) -> tuple[np.ndarray, np.ndarray]:
   """Every block through the fused kernel's in-register arithmetic (numpy): per fragment k, the
   words at 8k / 512 + 4k, the high words `code bits + bias` with the version-2 biases of
   `restore_mgpu.exception_biases` (the kernel's own function, numpy ops), the bytes interleaved
-  as prmt 0x5140 / 0x7362 do (`fold=False`: as if no block had an exception). Returns (uint16 [N, 512], compressed bool [N]); raw blocks, which
-  the kernel reads as BF16, are left zero."""
+  as prmt 0x5140 / 0x7362 do (`fold=False`: as if no block had an exception). `via_producer`:
+  the biases as the GPU kernel forms them, the producer's `block_exception_words` from the group
+  records then the consumer's `fold_biases`. Returns (uint16 [N, 512], compressed bool [N]); raw
+  blocks, which the kernel reads as BF16, are left zero."""
   meta = np.asarray(c.group_meta).astype(np.uint32)
   payload = np.asarray(c.payload)
   slots = slot_bytes(c).astype(np.uint32).reshape(-1, 4)
@@ -259,7 +274,12 @@ def register_decode(c: CompressedBlocks, fold: bool = True) -> tuple[np.ndarray,
   code = words(starts[:, None] + 512 + 4 * k)
   flagged = ((slots >> 7) == 1) & (slots < B.META_ABSENT) & fold
   entry = exception_entries(c).astype(np.uint32)
-  bx, by = restore_mgpu.exception_biases(NumpyOps, k[None], entry[:, None], flagged[:, None], (slots & 0x7F)[:, None])
+  if via_producer:
+    hit_x, hit_y, target = (w[:, None] for w in producer_words(c, dynamic_j).T)
+    bias = (slots & np.uint32(0x7F)) * np.uint32(0x01010101)
+    bx, by = restore_mgpu.fold_biases(NumpyOps, k[None], bias[:, None], hit_x, hit_y, target)
+  else:
+    bx, by = restore_mgpu.exception_biases(NumpyOps, k[None], entry[:, None], flagged[:, None], (slots & 0x7F)[:, None])
   hx = (code & np.uint32(0x87878787)) + bx
   hy = (((code >> 4) & np.uint32(0x07070707)) | ((code << 4) & np.uint32(0x80808080))) + by
   out = np.zeros((c.num_blocks, 64, 8), np.uint16)
@@ -286,6 +306,10 @@ def test_the_kernels_register_decode_folds_every_exception_into_its_bias():
   exceptions = ((meta & 0x80) != 0) & (meta < B.META_ABSENT)
   assert exceptions.sum() > 0.9 * ALL_PATTERNS.size  # patterns outside the [112, 127] window
   np.testing.assert_array_equal(restored[compressed], bits[compressed])
+  # The GPU kernel's split: the producer folds each block's exception once, the consumer selects.
+  for dynamic_j in (False, True):
+    via_producer, _ = register_decode(c, via_producer=True, dynamic_j=dynamic_j)
+    np.testing.assert_array_equal(via_producer[compressed], bits[compressed])
   # The check can fail: without the fold exactly the exception blocks break (an exception's e >> 1
   # lies outside the window, so it never equals hb = 56).
   unfolded, _ = register_decode(c, fold=False)
