@@ -8,6 +8,11 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
+# 000000. (Seventeenth session, 2026-12-08; no H200 came, and the H100 ran the tree before it.)
+# `DecodeConfig(exception_fold="producer")`: format 2's exceptions folded once per step by the
+# producer instead of by every consumer thread (format 2's restore costs twice format 1's on the
+# H100 compute probe, and the H200 is consumer-bound for format 2). Never run on a GPU:
+# `bash benchmarks/run_priority.sh fold` checks its 14 cases and times both folds (~250 s).
 # 00000. (Sixteenth session, 2026-12-07.) On the H100: the host plan cut to its used rows
 # (`balanced_fit`) runs the attention kernel at the grid's time at equal lengths; the plan kernel
 # takes 2.8-3.0 us; inside the engine the two schedules were within 0.5% on a uniform batch. Still

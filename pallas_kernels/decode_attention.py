@@ -59,6 +59,7 @@ CTAS_PER_SM = 2  # the split heuristic's one-consumer target: two CTAs fit while
 NUM_SMS = 132
 MIN_ITEM_PAGES = 4 * STEP_PAGES  # the balanced schedule's item size is never planned below 4 steps (16 pages)
 SCHEDULES = ("grid", "balanced")
+EXCEPTION_FOLDS = ("consumer", "producer")  # DecodeConfig.exception_fold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +116,13 @@ class DecodeConfig:
       unused). The grid is (KV heads, `items` + B) (`items` 0: `target_items`, two waves of
       CTA slots per KV head); unused items do nothing.
     items: the balanced schedule's item budget per KV head beyond one per sequence (0: `target_items`).
+    exception_fold: format version 2 only: who folds a block's exception into the decode's bias
+      words. "consumer" (default, correct on the H100 and H200): each consumer thread, for every
+      block it decodes, under a branch taken when one of its blocks has one (~20 integer ops a
+      block, for one or two fragments a block). "producer": the producer, once per step, into
+      32-word slot records (`restore_mgpu.block_exception_words`); the consumer then loads three
+      words a block and selects per fragment. Lowers for an H200 and its arithmetic is tested
+      on every BF16 pattern off-GPU; not yet run on a GPU (2026-12-08), hence not the default.
     timing_probe: diagnostics only, the outputs are garbage: "copies" = the consumer only
       waits for and releases each stage (the producer's copy rate), "compute" = the producer
       issues no copies (the consumer's rate on whatever SMEM holds). "" = off.
@@ -130,6 +138,7 @@ class DecodeConfig:
   max_registers: int = 0
   schedule: str = "grid"
   items: int = 0
+  exception_fold: str = "consumer"
 
   def __post_init__(self):
     for name in ("splits", "stages", "consumer_registers", "consumers", "max_registers", "items"):
@@ -150,6 +159,8 @@ class DecodeConfig:
       RC.check_count(self.max_registers)
     if self.max_registers and self.consumer_registers:  # setmaxnreg past the cap could wait forever
       raise ValueError("max_registers and consumer_registers are alternatives: set one of them")
+    if self.exception_fold not in EXCEPTION_FOLDS:
+      raise ValueError(f"{self.exception_fold=} must be one of {EXCEPTION_FOLDS}")
     if self.timing_probe not in ("", "copies", "compute"):
       raise ValueError(f"{self.timing_probe=} must be '', 'copies' or 'compute'")
     if self.consumers not in (1, 2):
@@ -213,7 +224,7 @@ def default_config(cache: PagedKVCache, schedule: str = "grid") -> DecodeConfig:
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
             compressed, version, head_dim, kv_heads, row_stride, max_pages, grid_pages, scale, stages,
             timing_probe, warp_issue, consumer_registers, consumers, v_after_qk, max_registers, interpret,
-            work_stride=3):  # work_stride: 3 (`host_work_items` rows) or 4 (`plan_items` rows)
+            work_stride=3, producer_fold=False):  # work_stride: 3 (`host_work_items` rows) or 4 (`plan_items` rows)
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
@@ -262,10 +273,11 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   n_steps = jnp.maximum(end_page - first_page + STEP_PAGES - 1, 0) // STEP_PAGES
 
   kind_words = P.KIND_WORDS[version]
-  # The consumer's splat words per slot: the flags and word1s (version 2 on the GPU reads its
-  # folded exception words from the record itself); the interpreter's restore takes the exception
-  # entries too.
-  splat_words = R.INFO_WORDS_V2 if version == 2 and not in_registers else 3
+  # The consumer's splat words per slot: the flags and word1s, and for version 2 the exception
+  # entries, unless the producer folded them (then the GPU restore reads the folded words from the
+  # record itself; the interpreter's restore always takes the entries).
+  producer_fold = producer_fold and version == 2 and compressed
+  splat_words = R.INFO_WORDS_V2 if version == 2 and not (in_registers and producer_fold) else 3
 
   def slot_infos(stage):
     return [tuple(info_smem[stage, s, i] for i in range(splat_words)) for s in range(STEP_PAGES)]
@@ -302,7 +314,7 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
         return acc, m_i, l_rows
       infos = slot_infos(stage)
       if in_registers:
-        if version == 2:  # the byte stage and the step's records (the blocks' folded exceptions)
+        if producer_fold:  # the byte stage and the step's records (the blocks' folded exceptions)
           operands = (byte_smem.at[stage], info_smem.at[stage])
           with_record = lambda fn: lambda byte_ref, record_ref, infos, head_dim: fn(
               byte_ref, infos, head_dim=head_dim, record_ref=record_ref)
@@ -446,7 +458,8 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
       else:
         splat = plgpu.Layout.WG_SPLAT(shape=())
         plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), *(splat,) * (2 + STEP_PAGES)))(
-            lambda ctx, *args: P.write_step_info(*args, version=version, compressed=compressed))(
+            lambda ctx, *args: P.write_step_info(*args, version=version, compressed=compressed,
+                                                 producer_fold=producer_fold))(
                 chunk_smem, info_smem, stage, local, *flags)
       plgpu.commit_smem()  # every producer thread's info stores land before the arrival below
       plgpu.barrier_arrive(bar)
@@ -553,6 +566,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
   stores = (cache.arena, cache.group_meta) if cache.compressed else (cache.k_pages, cache.v_pages)
   version = cache.format_version or 1
   in_registers = cache.compressed and not interpret
+  producer_fold = config.exception_fold == "producer" and cache.compressed and version == 2
   tile = lambda shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=_TRANSFORMS)
   # With one consumer the stage ring (BF16 tiles and / or the byte stage) is dead once its step loop
   # ends, so the epilogue's O and LSE reuse its SMEM (6 KB at D = 128); with two, one consumer
@@ -565,7 +579,7 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       (
           tile((QROWS, head_dim)),
           plgpu.RefUnion(stream, epilogue) if consumers == 1 else (stream, epilogue),
-          plgpu.SMEM((stages, STEP_PAGES, P.info_words(version)), jnp.int32),
+          plgpu.SMEM((stages, STEP_PAGES, P.info_words(version, producer_fold)), jnp.int32),
           plgpu.SMEM((P.CHUNK_PAGES, P.entry_words(version)), jnp.int32),
           tile((consumers, QROWS, STEP_TOKENS)),  # each consumer's P^T
           plgpu.SMEM((consumers, REDUCE_SCRATCH), jnp.float32),  # each consumer's reduction scratch
@@ -591,7 +605,8 @@ def _decode_attention(q, cache: PagedKVCache, scale: float, config: DecodeConfig
       scale=scale, stages=stages,
       timing_probe=config.timing_probe, warp_issue=config.warp_issue,
       consumer_registers=config.consumer_registers, consumers=consumers, v_after_qk=config.v_after_qk,
-      max_registers=config.max_registers, interpret=interpret, work_stride=work_stride)
+      max_registers=config.max_registers, interpret=interpret, work_stride=work_stride,
+      producer_fold=producer_fold)
 
   def entry(*refs):
     pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")

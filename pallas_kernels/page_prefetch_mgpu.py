@@ -83,31 +83,33 @@ def info_fields(version: int) -> tuple[int, ...]:
   return fields
 
 
-def info_words(version: int) -> int:
-  """Words of a slot's info record: the flags, then the `info_fields` words (version 2: then a pad
-  word and the blocks' folded exception words, `restore_mgpu.folded_word`)."""
-  return R.RECORD_WORDS_V2 if version == 2 else 1 + len(info_fields(version))
+def info_words(version: int, producer_fold: bool = False) -> int:
+  """Words of a slot's info record: the flags, then the `info_fields` words (version 2 with
+  `producer_fold`: then a pad word and the blocks' folded exception words,
+  `restore_mgpu.folded_word`)."""
+  return R.RECORD_WORDS_V2 if version == 2 and producer_fold else 1 + len(info_fields(version))
 
 
-def write_step_info(chunk_ref, info_ref, stage, local, *flags, version, compressed):
+def write_step_info(chunk_ref, info_ref, stage, local, *flags, version, compressed, producer_fold=False):
   """info_ref[stage, s] = (flags[s], chunk words of `info_fields`) for the step's 4 slots.
 
   One word per producer thread, all stored at once. (A Pallas scalar store costs two
   warpgroup barriers and a load of the old value: 12 such stores per step in version 1
   and 28 in version 2 serialized the producer.) The caller's `commit_smem` (fence + warpgroup
-  barrier) orders the stores before the step's arrival. Version 2: threads 8..31 of each slot
+  barrier) orders the stores before the step's arrival. Version 2 with `producer_fold`
+  (`DecodeConfig.exception_fold="producer"`): threads 8..31 of each slot
   store the slot's folded exception words (`restore_mgpu.block_exception_words` of K's and V's
   blocks), so each block's exception is worked out once per step instead of by every consumer
   thread that decodes one of its fragments.
 
   Args:
     chunk_ref: SMEM i32 [CHUNK_PAGES, entry_words(version)]; info_ref: SMEM i32 [stages, 4, W],
-      W = info_words(version).
+      W = info_words(version, producer_fold).
     stage, local: i32 splats, the ring stage and the step's first chunk entry.
     flags: 4 i32 splats, each slot's FLAG_PAGE / FLAG_TAIL / 0.
   """
   fields = info_fields(version)
-  words = info_words(version)
+  words = info_words(version, producer_fold)
   stage, local, *flags = (_scalar(x) for x in (stage, local, *flags))
   tid = arith.remui(mu.thread_idx(), _c(128))
   slot, word = arith.divui(tid, _c(words)), arith.remui(tid, _c(words))
@@ -124,7 +126,7 @@ def write_step_info(chunk_ref, info_ref, stage, local, *flags, version, compress
       row = arith.muli(arith.addi(local, slot), _c(entry_words(version)))
       load = lambda col: llvm.load(_i32(), mu.getelementptr(chunk_ptr, [arith.addi(row, col)], _i32()))
       value = arith.select(_eq(word, _c(0)), flag, load(column))
-      if version == 2:  # word FOLDED_BASE + 3 (4 kind + j) + which
+      if version == 2 and producer_fold:  # word FOLDED_BASE + 3 (4 kind + j) + which
         is_folded = arith.cmpi(arith.CmpIPredicate.uge, word, _c(R.FOLDED_BASE))
         k = arith.select(is_folded, arith.subi(word, _c(R.FOLDED_BASE)), _c(0))
         block, which = arith.divui(k, _c(R.FOLDED_PER_BLOCK)), arith.remui(k, _c(R.FOLDED_PER_BLOCK))

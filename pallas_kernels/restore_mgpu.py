@@ -50,10 +50,10 @@ FLAG_TAIL = 2  # the raw tail page, BF16 in its byte-stage slot (or the tile)
 # neither: the slot lies past the sequence (or the split)
 # Info record words per slot (page_prefetch_mgpu.info_words): 3 in version 1 (flags, K word1, V word1);
 INFO_WORDS_V2 = 7  # version 2 adds K word2, K word3, V word2, V word3 (exception entries)
-# Version 2's record then holds, from word FOLDED_BASE, each block's exception folded into bias
+# With `DecodeConfig(exception_fold="producer")` version 2's record then holds, from word FOLDED_BASE, each block's exception folded into bias
 # words (`block_exception_words`: hit_x, hit_y, target), per kind (K, V) and block j (0..3): the
-# producer computes them once per step, so the consumer's whole version-2 surcharge is three shared
-# loads per block and one compare and two selects per fragment.
+# producer computes them once per step, so the consumer's version-2 surcharge is three shared loads
+# per block and one compare and two selects per fragment.
 FOLDED_BASE = 8
 FOLDED_PER_BLOCK = 3
 RECORD_WORDS_V2 = FOLDED_BASE + 2 * 4 * FOLDED_PER_BLOCK  # 32: one word per producer thread per slot
@@ -166,6 +166,20 @@ def _decode_fragment(block_ptr, frag, slot_byte):
   return _finish_fragment(lx, ly, *_decode_high(code, bias, bias), rx, ry, slot_byte)
 
 
+def _has_exception(slot_byte):
+  """Version 2: the slot byte is 0x80 | b/2 (0x80..0xFD)."""
+  return arith.andi(_eq(arith.shrui(slot_byte, _c(7)), _c(1)),
+                    arith.cmpi(arith.CmpIPredicate.ult, slot_byte, _c(FB.META_ABSENT)))
+
+
+def _exception_entry(w2, w3, j):
+  """Block j's 16-bit exception entry from the record's words 2, 3 (j an i32 or an int)."""
+  if isinstance(j, int):
+    return arith.andi(arith.shrui((w2, w3)[j // 2], _c(16 * (j % 2))), _c(0xFFFF))
+  word = arith.select(arith.cmpi(arith.CmpIPredicate.ult, j, _c(2)), w2, w3)
+  return arith.andi(arith.shrui(word, arith.shli(arith.andi(j, _c(1)), _c(4))), _c(0xFFFF))
+
+
 class MlirOps:
   """The integer ops of `exception_words` and `block_exception_words`, on i32 / i1 MLIR values (tests pass numpy ones)."""
 
@@ -238,13 +252,33 @@ def _folded_words(record_ptr, index):
 
 
 def _decode_fragments_v2(parts):
-  """Version 2: `parts` = [(block_ptr, frag, slot_byte, (hit_x, hit_y, target))] of one thread
-  -> their words, flat. The decode is version 1's with the folded biases: no branch."""
+  """Version 2: `parts` = [(block_ptr, frag, slot_byte, fold)] of one thread -> their words, flat.
+
+  The loads of every part are issued first (branch-free). `fold` is either the block's folded
+  words (hit_x, hit_y, target) from the producer's record (`DecodeConfig.exception_fold =
+  "producer"`): then each fragment's biases are one compare and two selects, no branch; or
+  (`"consumer"`) a function building the block's exception entry, and this thread folds it
+  (`exception_biases`) under one warp-uniform branch taken only when one of the parts' blocks
+  has an exception, so it runs while the loads are in flight. The decode itself is version 1's."""
   loaded = [_load_words(ptr, frag) for ptr, frag, _, _ in parts]
+  half_bases = [arith.andi(slot, _c(FB.MAX_HALF_BASE)) for _, _, slot, _ in parts]
+  if callable(parts[0][3]):  # the consumer folds
+    flagged = [_has_exception(slot) for _, _, slot, _ in parts]
+
+    def folded():
+      return [b for (_, frag, _, entry_fn), f, hb in zip(parts, flagged, half_bases)
+              for b in exception_biases(MlirOps, frag, entry_fn(), f, hb)]
+
+    def plain():
+      return [b for hb in half_bases for b in (arith.muli(hb, _c(0x01010101)),) * 2]
+
+    biases = _branch(functools.reduce(arith.ori, flagged), 2 * len(parts), folded, plain)
+  else:  # the producer folded
+    biases = [b for (_, frag, _, words), hb in zip(parts, half_bases)
+              for b in fold_biases(MlirOps, frag, arith.muli(hb, _c(0x01010101)), *words)]
   words = []
-  for (_, frag, slot, folded), (lx, ly, code, rx, ry) in zip(parts, loaded):
-    bias = arith.muli(arith.andi(slot, _c(FB.MAX_HALF_BASE)), _c(0x01010101))
-    words += _finish_fragment(lx, ly, *_decode_high(code, *fold_biases(MlirOps, frag, bias, *folded)), rx, ry, slot)
+  for i, ((_, _, slot, _), (lx, ly, code, rx, ry)) in enumerate(zip(parts, loaded)):
+    words += _finish_fragment(lx, ly, *_decode_high(code, biases[2 * i], biases[2 * i + 1]), rx, ry, slot)
   return words
 
 
@@ -361,9 +395,11 @@ def restore_k(byte_ref, infos, *, head_dim, record_ref=None):
   Args:
     byte_ref: memref uint8 [2 (K, V), 4 slots, 4 * nb units, 256], this step's groups; a slot
       flagged FLAG_TAIL holds the BF16 tail page `[16, D]` in natural order instead.
-    infos: per slot (flags, k_word1, v_word1) i32 values (splat arrays).
-    record_ref: format version 2 only: the step's info records, memref i32 [4 slots,
-      RECORD_WORDS_V2], whose folded words (`folded_word`) carry the blocks' exceptions.
+    infos: per slot (flags, k_word1, v_word1) i32 values (splat arrays); format version 2 with
+      the consumer's fold: (flags, k_word1, v_word1, k_word2, k_word3, v_word2, v_word3), words
+      2, 3 holding the blocks' exception entries (FORMAT.md §9).
+    record_ref: format version 2 with the producer's fold only: the step's info records, memref
+      i32 [4 slots, RECORD_WORDS_V2], whose folded words (`folded_word`) carry the exceptions.
   Returns: a bf16 [64, D] WGMMA-layout FragmentedArray (register i = 8j + 4c + pair).
   """
   nblocks = head_dim // 32
@@ -383,6 +419,10 @@ def restore_k(byte_ref, infos, *, head_dim, record_ref=None):
       record_ptr, first = mu.memref_ptr(record_ref), arith.muli(warp, _c(RECORD_WORDS_V2))
       folded = [_folded_words(record_ptr, arith.addi(first, _c(folded_word(0, j)))) for j in range(nblocks)]
       return _decode_fragments_v2([(ptrs[j], arith.addi(lane, _c(32 * c)), _slot_byte(kw1, j), folded[j])
+                                   for j in range(nblocks) for c in range(2)])
+    if len(picked) == INFO_WORDS_V2:  # version 2, the consumer folds
+      return _decode_fragments_v2([(ptrs[j], arith.addi(lane, _c(32 * c)), _slot_byte(kw1, j),
+                                    functools.partial(_exception_entry, picked[3], picked[4], j))
                                    for j in range(nblocks) for c in range(2)])
     words = []
     for j in range(nblocks):
@@ -415,17 +455,21 @@ def restore_vt(byte_ref, infos, *, head_dim, record_ref=None):
     flags, vw1 = infos[s][0], infos[s][2]
     slot_ptr = _gep(byte_ptr, _c((PAGES_PER_STEP + s) * slot_bytes))  # kind 1 (V), slot s
 
-    def from_bytes(slot_ptr=slot_ptr, vw1=vw1, s=s):
+    def from_bytes(slot_ptr=slot_ptr, vw1=vw1, s=s, info=infos[s]):
       starts = block_starts_word(MlirOps, vw1)
       parts = []
       for m in range(groups):
         j_dyn = arith.addi(_c(2 * m), arith.shrui(warp, _c(1)))
         shift = arith.shli(j_dyn, _c(3))  # byte j of the starts and slot-byte words
         start, hb = _byte(starts, shift), _byte(vw1, shift)
-        folded = None if record_ptr is None else _folded_words(
-            record_ptr, arith.addi(folded_word(1, j_dyn), _c(s * RECORD_WORDS_V2)))
-        parts.append((_gep(slot_ptr, arith.muli(start, _c(UNIT))), frag, hb, folded))
-      if record_ptr is not None:  # version 2
+        if record_ptr is not None:  # version 2, the producer folded
+          fold = _folded_words(record_ptr, arith.addi(folded_word(1, j_dyn), _c(s * RECORD_WORDS_V2)))
+        elif len(info) == INFO_WORDS_V2:  # version 2, the consumer folds
+          fold = functools.partial(_exception_entry, info[5], info[6], j_dyn)
+        else:
+          fold = None
+        parts.append((_gep(slot_ptr, arith.muli(start, _c(UNIT))), frag, hb, fold))
+      if parts[0][3] is not None:  # version 2
         return _decode_fragments_v2(parts)
       return [w for ptr, frag_, hb, _ in parts for w in _decode_fragment(ptr, frag_, hb)]
 

@@ -122,14 +122,16 @@ def test_the_register_cap_hook_installs_once_even_across_a_reload():
   assert core._run_serde_pass is hook  # not wrapped twice (a wrapper calling itself would recurse)
 
 
+@pytest.mark.parametrize("fold", da.EXCEPTION_FOLDS)
 @pytest.mark.parametrize("head_dim,group,splits,warp_issue", [(128, 4, 1, True), (64, 3, 2, False)])
-def test_version_2_cache_lowers_to_one_mosaic_gpu_kernel(head_dim, group, splits, warp_issue):
-  """Format version 2: 32-byte page records in the gather, exception patches in both restores."""
+def test_version_2_cache_lowers_to_one_mosaic_gpu_kernel(head_dim, group, splits, warp_issue, fold):
+  """Format version 2: 32-byte page records in the gather, exception patches in both restores
+  (folded by each consumer thread, or once per step by the producer)."""
   kv_heads = 3 if group == 3 else 2
   k, v = _kv(2, 100, kv_heads, head_dim)
   cache = zf.paged_cache_from_dense(k, v, np.array([100, 37]), version=2)
   q = jnp.zeros((2, kv_heads * group, head_dim), jnp.bfloat16)
-  cfg = da.DecodeConfig(splits=splits, stages=3, warp_issue=warp_issue)
+  cfg = da.DecodeConfig(splits=splits, stages=3, warp_issue=warp_issue, exception_fold=fold)
   text = _lower_text(lambda q, c: da._decode_attention(q, c, 0.125, cfg, True), q, cache)
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
 
@@ -585,6 +587,8 @@ def test_config_validates():
     da.DecodeConfig(consumer_registers=100)
   with pytest.raises(ValueError, match="timing_probe"):
     da.DecodeConfig(timing_probe="fast")
+  with pytest.raises(ValueError, match="exception_fold"):
+    da.DecodeConfig(exception_fold="both")
   with pytest.raises(ValueError, match="consumers"):
     da.DecodeConfig(consumers=3)
   with pytest.raises(ValueError, match="multiple"):  # a stage shared by two consumers would skip barrier phases
@@ -609,7 +613,8 @@ def test_the_restore_recognises_version_2_by_the_record_the_producer_writes():
   from pallas_kernels import page_prefetch_mgpu as P
   from pallas_kernels import restore_mgpu as R
 
-  assert P.info_words(1) == 3 and P.info_words(2) == R.RECORD_WORDS_V2
+  assert P.info_words(1) == 3 == P.info_words(1, producer_fold=True)
+  assert P.info_words(2) == R.INFO_WORDS_V2 and P.info_words(2, producer_fold=True) == R.RECORD_WORDS_V2
   assert 1 + len(P.info_fields(2)) == R.INFO_WORDS_V2 <= R.FOLDED_BASE  # the interpreter's words come first
   assert R.folded_word(1, 3, 2) == R.RECORD_WORDS_V2 - 1  # V's last block's target is the record's last word
   assert P.CHUNK_PAGES >= R.PAGES_PER_STEP * R.RECORD_WORDS_V2  # one word per producer thread
