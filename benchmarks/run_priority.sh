@@ -33,8 +33,8 @@ for step in "${steps[@]}"; do
       timeout -s KILL 110 python3 -m benchmarks.compress --variants tma_t4_s4_c264_nozero,tma_t4_s4_c264,tma_ordered_t8_s2_c132 \
         --out "$out/compress_h200_tma.json" 2>&1 | grep -vE "Warning|^\s*$|compiling|compiled" ;;
     fold)  # format 2's exception fold, consumer (default) against producer: correctness, then time
-      timeout -s KILL 200 python3 -m benchmarks.fused_kernel_check --quick --skip-timing \
-        --sweep '[{"stages":2,"v_after_qk":true,"max_registers":128,"exception_fold":"producer"}]' \
+      timeout -s KILL 260 python3 -m benchmarks.fused_kernel_check --quick --skip-timing \
+        --sweep '[{"stages":2,"v_after_qk":true,"max_registers":128,"exception_fold":"producer"},{"exception_fold":"producer"},{"consumers":2,"stages":4,"exception_fold":"producer"}]' \
         --out "$out/fused_kernel_fold_check_$tag.json" 2>&1 | grep -E "PASS|FAIL|Error" | cut -c1-300
       timeout -s KILL 150 python3 -m benchmarks.fused_kernel_check --quick --skip-correctness --sweep \
         '[{"stages":2,"v_after_qk":true,"max_registers":128},{"stages":2,"v_after_qk":true,"max_registers":128,"exception_fold":"producer"},{"stages":2,"v_after_qk":true,"max_registers":128,"timing_probe":"compute"},{"stages":2,"v_after_qk":true,"max_registers":128,"timing_probe":"compute","exception_fold":"producer"}]' \

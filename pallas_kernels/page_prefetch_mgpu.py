@@ -85,7 +85,7 @@ def info_fields(version: int) -> tuple[int, ...]:
 
 def info_words(version: int, producer_fold: bool = False) -> int:
   """Words of a slot's info record: the flags, then the `info_fields` words (version 2 with
-  `producer_fold`: then a pad word and the blocks' folded exception words,
+  `producer_fold`: then an unused word and the blocks' folded exception words,
   `restore_mgpu.folded_word`)."""
   return R.RECORD_WORDS_V2 if version == 2 and producer_fold else 1 + len(info_fields(version))
 
@@ -127,10 +127,7 @@ def write_step_info(chunk_ref, info_ref, stage, local, *flags, version, compress
       load = lambda col: llvm.load(_i32(), mu.getelementptr(chunk_ptr, [arith.addi(row, col)], _i32()))
       value = arith.select(_eq(word, _c(0)), flag, load(column))
       if version == 2 and producer_fold:  # word FOLDED_BASE + 3 (4 kind + j) + which
-        is_folded = arith.cmpi(arith.CmpIPredicate.uge, word, _c(R.FOLDED_BASE))
-        k = arith.select(is_folded, arith.subi(word, _c(R.FOLDED_BASE)), _c(0))
-        block, which = arith.divui(k, _c(R.FOLDED_PER_BLOCK)), arith.remui(k, _c(R.FOLDED_PER_BLOCK))
-        kind, j = arith.shrui(block, _c(2)), arith.andi(block, _c(3))
+        is_folded, kind, j, which = R.folded_position(R.MlirOps, word)
         first = arith.muli(kind, _c(KIND_WORDS[version]))  # this kind's fields: word1 at 2, words 2, 3 at 4, 5
         w1, w2, w3 = (load(arith.addi(first, _c(col))) for col in (2, 4, 5))
         hit_x, hit_y, target = R.block_exception_words(R.MlirOps, w1, w2, w3, j)

@@ -59,6 +59,16 @@ FOLDED_PER_BLOCK = 3
 RECORD_WORDS_V2 = FOLDED_BASE + 2 * 4 * FOLDED_PER_BLOCK  # 32: one word per producer thread per slot
 
 
+def folded_position(ops, word):
+  """The inverse of `folded_word` for a record word index (`ops`: MLIR or numpy): (is_folded,
+  kind, j, which); words below FOLDED_BASE give is_folded false and block 0's position."""
+  c = ops.const
+  is_folded = ops.lt(c(FOLDED_BASE - 1), word)
+  k = ops.select(is_folded, ops.sub(word, c(FOLDED_BASE)), c(0))
+  block, which = ops.div(k, c(FOLDED_PER_BLOCK)), ops.rem(k, c(FOLDED_PER_BLOCK))
+  return is_folded, ops.shr(block, c(2)), ops.and_(block, c(3)), which
+
+
 def folded_word(kind: int, j, which: int = 0):
   """Index in a version-2 slot record of block j's (K: kind 0, V: 1) folded word `which` (0: hit_x,
   1: hit_y, 2: target); j an int or an i32 value."""
@@ -181,11 +191,13 @@ def _exception_entry(w2, w3, j):
 
 
 class MlirOps:
-  """The integer ops of `exception_words` and `block_exception_words`, on i32 / i1 MLIR values (tests pass numpy ones)."""
+  """The integer ops of `exception_words`, `block_exception_words` and `folded_position`, on i32 / i1
+  MLIR values (tests pass numpy ones)."""
 
   and_, shl, shr = staticmethod(arith.andi), staticmethod(arith.shli), staticmethod(arith.shrui)
   add, sub, mul, select = staticmethod(arith.addi), staticmethod(arith.subi), staticmethod(arith.muli), staticmethod(arith.select)
   eq = staticmethod(_eq)
+  div, rem = staticmethod(arith.divui), staticmethod(arith.remui)
 
   @staticmethod
   def lt(a, b):  # unsigned

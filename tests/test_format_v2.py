@@ -235,6 +235,7 @@ class NumpyOps:
 
   and_, shl, shr = np.bitwise_and, np.left_shift, np.right_shift
   add, sub, mul, select, eq, lt = np.add, np.subtract, np.multiply, np.where, np.equal, np.less
+  div, rem = np.floor_divide, np.remainder
 
   @staticmethod
   def const(v):
@@ -314,3 +315,16 @@ def test_the_kernels_register_decode_folds_every_exception_into_its_bias():
   # lies outside the window, so it never equals hb = 56).
   unfolded, _ = register_decode(c, fold=False)
   np.testing.assert_array_equal(np.any(unfolded != bits, axis=1)[compressed], exceptions[compressed])
+
+
+def test_the_producers_record_words_map_one_to_one_onto_the_folded_words():
+  """`folded_position` (the producer thread's word -> kind, block, which) inverts `folded_word` (the
+  consumer's addresses): each of K's and V's 4 blocks' 3 words is written by exactly one thread of
+  the slot, below the record's end, above the words the interpreter reads."""
+  words = np.arange(restore_mgpu.RECORD_WORDS_V2, dtype=np.uint32)
+  is_folded, kind, j, which = restore_mgpu.folded_position(NumpyOps, words)
+  np.testing.assert_array_equal(is_folded, words >= restore_mgpu.FOLDED_BASE)
+  got = {(int(a), int(b), int(c)): int(w) for w, f, a, b, c in zip(words, is_folded, kind, j, which) if f}
+  want = {(a, b, c): restore_mgpu.folded_word(a, b, c) for a in range(2) for b in range(4) for c in range(3)}
+  assert got == want
+  assert restore_mgpu.INFO_WORDS_V2 <= restore_mgpu.FOLDED_BASE
