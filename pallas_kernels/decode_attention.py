@@ -224,7 +224,7 @@ def default_config(cache: PagedKVCache, schedule: str = "grid") -> DecodeConfig:
 def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
             compressed, version, head_dim, kv_heads, row_stride, max_pages, grid_pages, scale, stages,
             timing_probe, warp_issue, consumer_registers, consumers, v_after_qk, max_registers, interpret,
-            work_stride=3, producer_fold=False):  # work_stride: 3 (`host_work_items` rows) or 4 (`plan_items` rows)
+            work_stride=3, producer_fold=False):  # producer_fold: exception_fold="producer" on a version-2 store  # work_stride: 3 (`host_work_items` rows) or 4 (`plan_items` rows)
   """Refs (GMEM):
     q_ref: bf16 [rows, D]: the G query heads of (b, kvh) are rows (b * Hkv + kvh) * row_stride
       + [0, G), row_stride = G (G divides 8) or 8 (padded); 8 rows are copied, TMA zero-fills
@@ -276,7 +276,6 @@ def _kernel(q_ref, lengths_ref, page_table_ref, k_tail_ref, v_tail_ref, *refs,
   # The consumer's splat words per slot: the flags and word1s, and for version 2 the exception
   # entries, unless the producer folded them (then the GPU restore reads the folded words from the
   # record itself; the interpreter's restore always takes the entries).
-  producer_fold = producer_fold and version == 2 and compressed
   splat_words = R.INFO_WORDS_V2 if version == 2 and not (in_registers and producer_fold) else 3
 
   def slot_infos(stage):
@@ -496,8 +495,8 @@ def _inline(fn, ref_types, refs, infos, head_dim, out_shape=None):
   """Run a `restore_mgpu` function `fn(*refs, infos, head_dim=)` on this warpgroup via `inline_mgpu`.
 
   ref_types: `_BYTES` for a plain SMEM ref, `_TILE` for a swizzled BF16 tile; infos: per slot
-  the 3 (format version 2: 7) info words (scalars, passed as splat arrays); out_shape: the bf16
-  WGMMA-layout array `fn` returns (None: it returns nothing).
+  the 3 (format version 2 with the consumer fold: 7) info words (scalars, passed as splat
+  arrays); out_shape: the bf16 WGMMA-layout array `fn` returns (None: it returns nothing).
   """
   info_types = tuple((plgpu.Layout.WG_SPLAT(shape=()),) * len(info) for info in infos)
   ret = None if out_shape is None else plgpu.ShapeDtypeStruct(out_shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA)

@@ -128,8 +128,8 @@ def write_step_info(chunk_ref, info_ref, stage, local, *flags, version, compress
       value = arith.select(_eq(word, _c(0)), flag, load(column))
       if version == 2 and producer_fold:  # word FOLDED_BASE + 3 (4 kind + j) + which
         is_folded, kind, j, which = R.folded_position(R.MlirOps, word)
-        first = arith.muli(kind, _c(KIND_WORDS[version]))  # this kind's fields: word1 at 2, words 2, 3 at 4, 5
-        w1, w2, w3 = (load(arith.addi(first, _c(col))) for col in (2, 4, 5))
+        first = arith.muli(kind, _c(KIND_WORDS[version]))  # V's fields are K's, one kind's words later
+        w1, w2, w3 = (load(arith.addi(first, _c(fields[i]))) for i in (0, 2, 3))  # K word1, words 2, 3
         hit_x, hit_y, target = R.block_exception_words(R.MlirOps, w1, w2, w3, j)
         folded = arith.select(_eq(which, _c(0)), hit_x, arith.select(_eq(which, _c(1)), hit_y, target))
         value = arith.select(is_folded, folded, value)

@@ -176,23 +176,9 @@ def _decode_fragment(block_ptr, frag, slot_byte):
   return _finish_fragment(lx, ly, *_decode_high(code, bias, bias), rx, ry, slot_byte)
 
 
-def _has_exception(slot_byte):
-  """Version 2: the slot byte is 0x80 | b/2 (0x80..0xFD)."""
-  return arith.andi(_eq(arith.shrui(slot_byte, _c(7)), _c(1)),
-                    arith.cmpi(arith.CmpIPredicate.ult, slot_byte, _c(FB.META_ABSENT)))
-
-
-def _exception_entry(w2, w3, j):
-  """Block j's 16-bit exception entry from the record's words 2, 3 (j an i32 or an int)."""
-  if isinstance(j, int):
-    return arith.andi(arith.shrui((w2, w3)[j // 2], _c(16 * (j % 2))), _c(0xFFFF))
-  word = arith.select(arith.cmpi(arith.CmpIPredicate.ult, j, _c(2)), w2, w3)
-  return arith.andi(arith.shrui(word, arith.shli(arith.andi(j, _c(1)), _c(4))), _c(0xFFFF))
-
-
 class MlirOps:
-  """The integer ops of `exception_words`, `block_exception_words` and `folded_position`, on i32 / i1
-  MLIR values (tests pass numpy ones)."""
+  """The integer ops of the version-2 fold (`exception_words`, `block_exception_words`, ...) and
+  `folded_position`, on i32 / i1 MLIR values (tests pass numpy ones)."""
 
   and_, shl, shr = staticmethod(arith.andi), staticmethod(arith.shli), staticmethod(arith.shrui)
   add, sub, mul, select = staticmethod(arith.addi), staticmethod(arith.subi), staticmethod(arith.muli), staticmethod(arith.select)
@@ -220,14 +206,34 @@ def exception_words(ops, entry, flagged, half_base):
   (none: 0xFFFFFFFF); `fold_biases` picks them per fragment. Written against `ops` (MLIR or
   numpy) so the same code is tested off-GPU.
   """
+  return _words_over_bias(ops, entry, flagged, half_base, ops.mul(half_base, ops.const(0x01010101)))
+
+
+def _words_over_bias(ops, entry, flagged, half_base, bias):
+  """`exception_words` given the block's plain bias word (hb in every byte)."""
   c = ops.const
-  bias = ops.mul(half_base, c(0x01010101))
   p = ops.and_(entry, c((1 << FB.POSITION_BITS) - 1))
   patched = ops.add(bias, ops.shl(ops.sub(ops.shr(entry, c(FB.POSITION_BITS)), half_base),
                                   ops.shl(ops.and_(p, c(3)), c(3))))
   in_x = ops.eq(ops.and_(p, c(4)), c(0))
   target = ops.select(flagged, ops.shr(p, c(3)), c(0xFFFFFFFF))  # the exception's fragment, or none
   return ops.select(in_x, patched, bias), ops.select(in_x, bias, patched), target
+
+
+def exception_flagged(ops, slot_byte):
+  """Version 2: whether a block's slot byte flags an exception (0x80 | b/2: 0x80..0xFD)."""
+  c = ops.const
+  return ops.and_(ops.eq(ops.shr(slot_byte, c(7)), c(1)), ops.lt(slot_byte, c(FB.META_ABSENT)))
+
+
+def exception_entry(ops, word2, word3, j):
+  """Block j's 16-bit exception entry from a group record's words 2, 3 (j an int or a per-thread
+  value, 0..3)."""
+  c = ops.const
+  if isinstance(j, int):
+    return ops.and_(ops.shr((word2, word3)[j // 2], c(16 * (j % 2))), c(0xFFFF))
+  word = ops.select(ops.lt(j, c(2)), word2, word3)
+  return ops.and_(ops.shr(word, ops.shl(ops.and_(j, c(1)), c(4))), c(0xFFFF))
 
 
 def block_exception_words(ops, word1, word2, word3, j):
@@ -237,12 +243,8 @@ def block_exception_words(ops, word1, word2, word3, j):
   c = ops.const
   shift = ops.shl(j, c(3)) if not isinstance(j, int) else c(8 * j)
   slot = ops.and_(ops.shr(word1, shift), c(0xFF))
-  flagged = ops.and_(ops.eq(ops.shr(slot, c(7)), c(1)), ops.lt(slot, c(FB.META_ABSENT)))
-  high = j >= 2 if isinstance(j, int) else ops.eq(ops.shr(j, c(1)), c(1))
-  word = (word3 if high else word2) if isinstance(j, int) else ops.select(high, word3, word2)
-  entry_shift = c(16 * (j % 2)) if isinstance(j, int) else ops.shl(ops.and_(j, c(1)), c(4))
-  entry = ops.and_(ops.shr(word, entry_shift), c(0xFFFF))
-  return exception_words(ops, entry, flagged, ops.and_(slot, c(FB.MAX_HALF_BASE)))
+  return exception_words(ops, exception_entry(ops, word2, word3, j), exception_flagged(ops, slot),
+                         ops.and_(slot, c(FB.MAX_HALF_BASE)))
 
 
 def fold_biases(ops, frag, bias, hit_x, hit_y, target):
@@ -254,8 +256,8 @@ def fold_biases(ops, frag, bias, hit_x, hit_y, target):
 
 def exception_biases(ops, frag, entry, flagged, half_base):
   """`exception_words` and `fold_biases` in one: the biases (Bx, By) of fragment `frag`."""
-  return fold_biases(ops, frag, ops.mul(half_base, ops.const(0x01010101)),
-                     *exception_words(ops, entry, flagged, half_base))
+  bias = ops.mul(half_base, ops.const(0x01010101))
+  return fold_biases(ops, frag, bias, *_words_over_bias(ops, entry, flagged, half_base, bias))
 
 
 def _folded_words(record_ptr, index):
@@ -275,7 +277,7 @@ def _decode_fragments_v2(parts):
   loaded = [_load_words(ptr, frag) for ptr, frag, _, _ in parts]
   half_bases = [arith.andi(slot, _c(FB.MAX_HALF_BASE)) for _, _, slot, _ in parts]
   if callable(parts[0][3]):  # the consumer folds
-    flagged = [_has_exception(slot) for _, _, slot, _ in parts]
+    flagged = [exception_flagged(MlirOps, slot) for _, _, slot, _ in parts]
 
     def folded():
       return [b for (_, frag, _, entry_fn), f, hb in zip(parts, flagged, half_bases)
@@ -434,7 +436,7 @@ def restore_k(byte_ref, infos, *, head_dim, record_ref=None):
                                    for j in range(nblocks) for c in range(2)])
     if len(picked) == INFO_WORDS_V2:  # version 2, the consumer folds
       return _decode_fragments_v2([(ptrs[j], arith.addi(lane, _c(32 * c)), _slot_byte(kw1, j),
-                                    functools.partial(_exception_entry, picked[3], picked[4], j))
+                                    functools.partial(exception_entry, MlirOps, picked[3], picked[4], j))
                                    for j in range(nblocks) for c in range(2)])
     words = []
     for j in range(nblocks):
@@ -477,7 +479,7 @@ def restore_vt(byte_ref, infos, *, head_dim, record_ref=None):
         if record_ptr is not None:  # version 2, the producer folded
           fold = _folded_words(record_ptr, arith.addi(folded_word(1, j_dyn), _c(s * RECORD_WORDS_V2)))
         elif len(info) == INFO_WORDS_V2:  # version 2, the consumer folds
-          fold = functools.partial(_exception_entry, info[5], info[6], j_dyn)
+          fold = functools.partial(exception_entry, MlirOps, info[5], info[6], j_dyn)
         else:
           fold = None
         parts.append((_gep(slot_ptr, arith.muli(start, _c(UNIT))), frag, hb, fold))
